@@ -1,0 +1,287 @@
+"""TorchGroupedMLP: Megatron-Core experts whose frozen BF16 weights run through torch grouped GEMM.
+
+Each projection keeps its E expert weights in one contiguous, non-persistent buffer
+`[E, out, in]`; the Parameters `weight0 .. weight{E-1}` are views into it, so parameter objects
+and state-dict keys are those of TEGroupedMLP and nothing new is checkpointed.
+"""
+
+from typing import List, Optional
+
+import torch
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.tensor_parallel.layers import (
+    _initialize_affine_weight_cpu,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import sharded_state_dict_default
+
+from . import _compat
+from .config import validate_torch_experts_config
+from .grouped_gemm import Splits, find_grouped_mm, frozen_grouped_linear, group_offsets
+
+TRAINABLE_BASE_ERROR = (
+    "TorchGroupedMLP runs frozen expert weights only, but {name}.{param} requires grad. Freeze the "
+    "expert base before training (for example `p.requires_grad_(False)` for every "
+    "`*.experts.linear_fc*.weight*`, as PEFT/LoRA does) or set "
+    "moe_expert_gemm_backend='transformer_engine' to train the expert weights."
+)
+
+
+class TorchGroupedLinear(torch.nn.Module):
+    """E frozen, bias-free expert linears packed in one buffer.
+
+    forward(x [T, in], tokens_per_expert [E]) -> (y [T, out], None): the call contract of
+    Megatron's grouped linears, so adapter wrappers (`base(x, *args)`) work unchanged.
+    """
+
+    def __init__(self, num_experts: int, input_size: int, output_size: int, *,
+                 config: TransformerConfig, init_method, parallel_mode: str, stride: int,
+                 pg_collection, name: str):
+        super().__init__()
+        self.config = config
+        self.num_experts = num_experts
+        self.parallel_mode = parallel_mode
+        self.name = name
+        self._pg_collection = pg_collection
+        tp_size = _compat.group_size(pg_collection.expt_tp)
+        if parallel_mode == "column":
+            local_out, local_in, partition_dim = output_size // tp_size, input_size, 0
+        else:
+            local_out, local_in, partition_dim = output_size, input_size // tp_size, 1
+        self.in_features, self.out_features = local_in, local_out
+        entry = find_grouped_mm()
+        self.grouped_mm_name, self._grouped_mm = entry.name, entry.fn
+
+        device = torch.device("cpu") if config.use_cpu_initialization else torch.device(
+            "cuda", torch.cuda.current_device())
+        packed = torch.empty(num_experts, local_out, local_in, dtype=config.params_dtype,
+                             device=device)
+        self.register_buffer("packed_weight", packed, persistent=False)
+        self._register_load_state_dict_pre_hook(self._drop_per_expert_extra_states)
+        expert_parallel = config.expert_model_parallel_size > 1
+        for i in range(num_experts):
+            weight = torch.nn.Parameter(packed[i])
+            set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+            weight.allreduce = not expert_parallel
+            self.register_parameter(f"weight{i}", weight)
+            if config.perform_initialization:
+                self._initialize(weight, init_method, output_size, input_size, partition_dim,
+                                 stride, tp_size)
+
+    def _initialize(self, weight, init_method, output_size, input_size, partition_dim, stride,
+                    tp_size):
+        if self.config.use_cpu_initialization:
+            _initialize_affine_weight_cpu(
+                weight, output_size, input_size,
+                self.out_features if partition_dim == 0 else self.in_features,
+                partition_dim, init_method, stride=stride, params_dtype=self.config.params_dtype,
+                rank=_compat.group_rank(self._pg_collection.expt_tp), world_size=tp_size,
+                skip_set_tensor_parallel_attributes=True)
+        else:
+            with _compat.expert_rng_fork():
+                init_method(weight.data)
+
+    def expert_weights(self) -> List[torch.nn.Parameter]:
+        return [self._parameters[f"weight{i}"] for i in range(self.num_experts)]
+
+    def packed(self) -> torch.Tensor:
+        """The packed weight [E, out, in], repacked first if any `weightN` was replaced."""
+        packed = self.packed_weight
+        stride = packed.stride(0) * packed.element_size()
+        base = packed.data_ptr()
+        stale = [i for i, w in enumerate(self.expert_weights())
+                 if w.data_ptr() != base + i * stride or w.dtype != packed.dtype]
+        if stale:
+            self._repack(stale)
+        return self.packed_weight
+
+    @torch.no_grad()
+    def _repack(self, stale: List[int]) -> None:
+        weights = self.expert_weights()
+        for i in stale:
+            if weights[i].shape != self.packed_weight.shape[1:]:
+                raise ValueError(
+                    f"{self.name}.weight{i} has shape {list(weights[i].shape)}, expected "
+                    f"{list(self.packed_weight.shape[1:])}"
+                )
+        reference = weights[stale[0]]
+        if reference.dtype != self.packed_weight.dtype or reference.device != self.packed_weight.device:
+            # The weights moved or changed dtype one by one: rebuild the buffer to match them.
+            self.packed_weight = torch.stack([w.detach().to(reference) for w in weights])
+            stale = list(range(self.num_experts))
+        for i in stale:
+            self.packed_weight[i].copy_(weights[i].detach())
+            weights[i].data = self.packed_weight[i]
+
+    def _apply(self, fn, recurse=True):
+        # Move/cast the buffer once and keep every expert Parameter a view of it.
+        packed = fn(self.packed_weight)
+        self._buffers["packed_weight"] = packed
+        for i, weight in enumerate(self.expert_weights()):
+            weight.data = packed[i]
+            if weight.grad is not None:
+                weight.grad = fn(weight.grad)
+        return self
+
+    def get_extra_state(self):
+        """Key parity with TE grouped linears (`<module>._extra_state`); nothing to store."""
+        return None
+
+    def set_extra_state(self, state):
+        """Accept the extra state of a TE or Megatron checkpoint; BF16 weights need none."""
+
+    def _drop_per_expert_extra_states(self, state_dict, prefix, *args):
+        """A distributed checkpoint hands back `_extra_state1 ..` (one per expert, as TE splits
+        them); like TE, fold them into the single `_extra_state`."""
+        for i in range(1, self.num_experts):
+            state_dict.pop(f"{prefix}_extra_state{i}", None)
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: Splits):
+        weight = self.packed()
+        if torch.is_grad_enabled():
+            for i, w in enumerate(self.expert_weights()):
+                if w.requires_grad:
+                    raise RuntimeError(TRAINABLE_BASE_ERROR.format(name=self.name, param=f"weight{i}"))
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"{self.name} expects input [T, {self.in_features}], got {list(x.shape)}")
+        if x.dtype != weight.dtype:
+            raise TypeError(f"{self.name}: input dtype {x.dtype} differs from weight dtype {weight.dtype}")
+        if x.is_cuda and x.dtype != torch.bfloat16:
+            raise TypeError(
+                f"{self.name}: grouped GEMM's fast path on CUDA needs bfloat16, got {x.dtype}; "
+                "set bf16=True and params_dtype=torch.bfloat16."
+            )
+        if x.device != weight.device:
+            raise ValueError(f"{self.name}: input on {x.device}, weights on {weight.device}")
+        offs = group_offsets(tokens_per_expert, self.num_experts, x.shape[0], x.device)
+        return frozen_grouped_linear(x, weight, offs, self._grouped_mm), None
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """One ShardedTensor per expert under the keys TE grouped linears use."""
+        metadata = _compat.ensure_dp_cp_group(metadata)
+        singleton_local_shards = metadata.get("singleton_local_shards", False)
+        tp_axis = 0 if self.parallel_mode == "column" else 1
+        ep_group = self._pg_collection.ep
+        num_global = _compat.group_size(ep_group) * self.num_experts
+        first_global = _compat.group_rank(ep_group) * self.num_experts
+        ep_axis = len(sharded_offsets)
+        expert_dp_rank = _compat.group_rank(self._pg_collection.expt_dp)
+        result = {}
+        for i, weight in enumerate(self.expert_weights()):
+            global_idx = first_global + i
+            if singleton_local_shards:
+                expert_prefix, offsets = f"{global_idx}.{prefix}", sharded_offsets
+            else:
+                expert_prefix = prefix
+                offsets = (*sharded_offsets, (ep_axis, global_idx, num_global))
+            local = {f"{i}.weight": weight, f"{i}._extra_state": None}
+            sub = _compat.make_sharded_tensors(local, {f"{i}.weight": tp_axis}, offsets,
+                                               self._pg_collection.expt_tp,
+                                               metadata.get("dp_cp_group"))
+            replace_prefix_for_sharding(sub, f"{i}.", expert_prefix)
+            result[f"{prefix}weight{i}"] = sub[f"{i}.weight"]
+            result[f"{prefix}_extra_state{'' if i == 0 else i}"] = sub[f"{i}._extra_state"]
+        for sharded in result.values():
+            sharded.replica_id = (*sharded.replica_id[:2], expert_dp_rank)
+        return result
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, in={self.in_features}, out={self.out_features}, "
+                f"grouped_mm={self.grouped_mm_name}")
+
+
+class TorchGroupedMLP(MegatronModule):
+    """Drop-in experts module: fc1 grouped GEMM, activation x probs (FP32), fc2 grouped GEMM.
+
+    forward(permuted_hidden [T, H], tokens_per_expert [E], permuted_probs [T]) -> (out [T, H], None)
+    with rows contiguous by local expert. H is the hidden size, or moe_latent_size when set.
+    """
+
+    def __init__(self, num_local_experts: int, config: TransformerConfig, submodules=None,
+                 pg_collection=None, name: Optional[str] = None):
+        super().__init__(config=config)
+        pg_collection = _compat.default_pg_collection(pg_collection)
+        self.num_local_experts = num_local_experts
+        self.ep_group = pg_collection.ep
+        self.tp_group = pg_collection.expt_tp
+        ep_size = _compat.group_size(self.ep_group)
+        etp_size = _compat.group_size(self.tp_group)
+        validate_torch_experts_config(config, ep_size, etp_size)
+        if num_local_experts * ep_size != config.num_moe_experts:
+            raise ValueError(
+                f"num_local_experts={num_local_experts} x expert parallel size {ep_size} != "
+                f"num_moe_experts={config.num_moe_experts}"
+            )
+        if not config.use_cpu_initialization and config.params_dtype != torch.bfloat16:
+            raise ValueError(
+                f"moe_expert_gemm_backend='torch' builds expert weights on CUDA in bfloat16, got "
+                f"params_dtype={config.params_dtype}; set bf16=True and params_dtype=torch.bfloat16."
+            )
+        io_size = config.hidden_size if config.moe_latent_size is None else config.moe_latent_size
+        glu = config.gated_linear_unit
+        prefix = f"{name}." if name else ""
+        self.linear_fc1 = TorchGroupedLinear(
+            num_local_experts, io_size, config.moe_ffn_hidden_size * (2 if glu else 1),
+            config=config, init_method=config.init_method, parallel_mode="column",
+            stride=2 if glu else 1, pg_collection=pg_collection, name=f"{prefix}linear_fc1")
+        self.linear_fc2 = TorchGroupedLinear(
+            num_local_experts, config.moe_ffn_hidden_size, io_size,
+            config=config, init_method=config.output_layer_init_method, parallel_mode="row",
+            stride=1, pg_collection=pg_collection, name=f"{prefix}linear_fc2")
+        self.grouped_mm_name = self.linear_fc1.grouped_mm_name
+
+    def activation(self, fc1_out: torch.Tensor) -> torch.Tensor:
+        """Megatron's expert activation: act(x), or act(gate) * (up + offset) for GLU."""
+        config = self.config
+        if not config.gated_linear_unit:
+            return config.activation_func(fc1_out)
+        gate, up = torch.chunk(fc1_out, 2, dim=-1)
+        if (clamp := config.activation_func_clamp_value) is not None:
+            gate = gate.clamp(min=None, max=clamp)
+            up = up.clamp(min=-clamp, max=clamp)
+        return config.activation_func(gate) * (up + config.glu_linear_offset)
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: Splits,
+                permuted_probs: torch.Tensor):
+        hidden = permuted_local_hidden_states
+        probs = permuted_probs.unsqueeze(-1)
+        if self.config.moe_apply_probs_on_input:
+            hidden = (probs * hidden).to(hidden.dtype)
+            probs = None
+        fc1_out, _ = self.linear_fc1(hidden, tokens_per_expert)
+        act = self.activation(fc1_out)
+        if probs is not None:
+            act = (act * probs).to(fc1_out.dtype)
+        out, _ = self.linear_fc2(act, tokens_per_expert)
+        return out, None
+
+    def backward_dw(self):
+        """Nothing to do: the expert weights are frozen."""
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """The same keys, global shapes and offsets as TEGroupedMLP (and SequentialMLP)."""
+        metadata = _compat.ensure_dp_cp_group(metadata)
+        singleton_local_shards = metadata.get("singleton_local_shards", False)
+        num_global = _compat.group_size(self.ep_group) * self.num_local_experts
+        first_global = _compat.group_rank(self.ep_group) * self.num_local_experts
+        result = {}
+        for name, module in self._modules.items():
+            sub = sharded_state_dict_default(module, f"{name}.", sharded_offsets, metadata,
+                                             tp_group=self.tp_group)
+            if name == "linear_fc1" and self.config.gated_linear_unit:
+                ep_axis = len(sharded_offsets)
+                for i in range(self.num_local_experts):
+                    offsets = sharded_offsets if singleton_local_shards else (
+                        *sharded_offsets, (ep_axis, first_global + i, num_global))
+                    key = f"{name}.weight{i}"
+                    sub[key] = apply_swiglu_sharded_factory(sub[key], offsets,
+                                                            singleton_local_shards)
+            if singleton_local_shards:
+                replace_prefix_for_sharding(sub, "", f"{prefix}experts.")
+            else:
+                replace_prefix_for_sharding(sub, f"{name}.", f"{prefix}experts.{name}.")
+            result.update({f"{prefix}{k}": v for k, v in sub.items()})
+        return result
