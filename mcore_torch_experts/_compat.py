@@ -1,5 +1,7 @@
 """Every difference between the supported Megatron-Core releases (0.16.x to 0.19.x)."""
 
+import dataclasses
+import functools
 import inspect
 from typing import Optional
 
@@ -60,3 +62,40 @@ def expert_rng_fork():
     import contextlib
 
     return contextlib.nullcontext()
+
+
+# --- Layer specs -------------------------------------------------------------------------------
+# 0.16/0.17: the MoE mlp spec is ModuleSpec(module=MoELayer, submodules=MoESubmodules(...)).
+# 0.18+:     it is functools.partial(MoELayer, submodules=MoESubmodules(...)).
+# Every version builds an experts ModuleSpec (0.16 through build_module, 0.17+ by calling it).
+
+
+def is_moe_mlp_spec(mlp_spec) -> bool:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return getattr(mlp_spec, "module", None) is MoELayer or getattr(mlp_spec, "func", None) is MoELayer
+
+
+def moe_submodules(mlp_spec):
+    if isinstance(mlp_spec, functools.partial):
+        return mlp_spec.keywords["submodules"]
+    return mlp_spec.submodules
+
+
+def with_moe_submodules(mlp_spec, submodules):
+    """A copy of the MoE mlp spec holding `submodules` (the original may be shared: never mutate)."""
+    if isinstance(mlp_spec, functools.partial):
+        return functools.partial(mlp_spec.func, *mlp_spec.args,
+                                 **{**mlp_spec.keywords, "submodules": submodules})
+    return dataclasses.replace(mlp_spec, submodules=submodules)
+
+
+def gpt_layer_spec_kwargs(builder, config, **kwargs) -> dict:
+    """Arguments for Megatron's GPT layer-spec builders that this release accepts."""
+    params = inspect.signature(builder).parameters
+    wanted = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
+                  qk_layernorm=config.qk_layernorm,
+                  multi_latent_attention=config.multi_latent_attention, **kwargs)
+    if "moe_use_legacy_grouped_gemm" in params:  # removed in 0.17
+        wanted.setdefault("moe_use_legacy_grouped_gemm", False)
+    return {k: v for k, v in wanted.items() if k in params}
