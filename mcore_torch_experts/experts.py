@@ -62,6 +62,7 @@ class TorchGroupedLinear(torch.nn.Module):
         self.register_buffer("packed_weight", packed, persistent=False)
         self._register_load_state_dict_pre_hook(self._drop_per_expert_extra_states)
         expert_parallel = config.expert_model_parallel_size > 1
+        self._weight_names = [f"weight{i}" for i in range(num_experts)]
         for i in range(num_experts):
             weight = torch.nn.Parameter(packed[i])
             set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
@@ -85,7 +86,7 @@ class TorchGroupedLinear(torch.nn.Module):
                 init_method(weight.data)
 
     def expert_weights(self) -> List[torch.nn.Parameter]:
-        return [self._parameters[f"weight{i}"] for i in range(self.num_experts)]
+        return [self._parameters[name] for name in self._weight_names]
 
     def packed(self) -> torch.Tensor:
         """The packed weight [E, out, in], repacked first if any `weightN` was replaced."""
@@ -193,6 +194,14 @@ class TorchGroupedLinear(torch.nn.Module):
                 f"grouped_mm={self.grouped_mm_name}")
 
 
+def _fused_activation_available(config: TransformerConfig) -> bool:
+    try:
+        from .activation_triton import covers
+    except ImportError:  # no triton
+        return False
+    return covers(config)
+
+
 class TorchGroupedMLP(MegatronModule):
     """Drop-in experts module: fc1 grouped GEMM, activation x probs (FP32), fc2 grouped GEMM.
 
@@ -215,11 +224,6 @@ class TorchGroupedMLP(MegatronModule):
                 f"num_local_experts={num_local_experts} x expert parallel size {ep_size} != "
                 f"num_moe_experts={config.num_moe_experts}"
             )
-        if not config.use_cpu_initialization and config.params_dtype != torch.bfloat16:
-            raise ValueError(
-                f"moe_expert_gemm_backend='torch' builds expert weights on CUDA in bfloat16, got "
-                f"params_dtype={config.params_dtype}; set bf16=True and params_dtype=torch.bfloat16."
-            )
         io_size = config.hidden_size if config.moe_latent_size is None else config.moe_latent_size
         glu = config.gated_linear_unit
         prefix = f"{name}." if name else ""
@@ -232,6 +236,9 @@ class TorchGroupedMLP(MegatronModule):
             config=config, init_method=config.output_layer_init_method, parallel_mode="row",
             stride=1, pg_collection=pg_collection, name=f"{prefix}linear_fc2")
         self.grouped_mm_name = self.linear_fc1.grouped_mm_name
+        self.activation_impl = "fused" if _fused_activation_available(config) else "eager"
+        """"fused": activation x probs in one Triton kernel on CUDA tensors; "eager": torch ops
+        (always on the CPU; on CUDA when triton is missing or the activation is not covered)."""
 
     def activation(self, fc1_out: torch.Tensor) -> torch.Tensor:
         """Megatron's expert activation: act(x), or act(gate) * (up + offset) for GLU."""
@@ -242,7 +249,9 @@ class TorchGroupedMLP(MegatronModule):
         if (clamp := config.activation_func_clamp_value) is not None:
             gate = gate.clamp(min=None, max=clamp)
             up = up.clamp(min=-clamp, max=clamp)
-        return config.activation_func(gate) * (up + config.glu_linear_offset)
+        if config.glu_linear_offset:
+            up = up + config.glu_linear_offset
+        return config.activation_func(gate) * up
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: Splits,
                 permuted_probs: torch.Tensor):
@@ -252,9 +261,14 @@ class TorchGroupedMLP(MegatronModule):
             hidden = (probs * hidden).to(hidden.dtype)
             probs = None
         fc1_out, _ = self.linear_fc1(hidden, tokens_per_expert)
-        act = self.activation(fc1_out)
-        if probs is not None:
-            act = (act * probs).to(fc1_out.dtype)
+        if self.activation_impl == "fused" and fc1_out.is_cuda:
+            from .activation_triton import fused_activation_probs
+
+            act = fused_activation_probs(self.config, fc1_out, permuted_probs)
+        else:
+            act = self.activation(fc1_out)
+            if probs is not None:
+                act = (act * probs).to(fc1_out.dtype)
         out, _ = self.linear_fc2(act, tokens_per_expert)
         return out, None
 
