@@ -1,11 +1,13 @@
-"""Run Megatron-Core's MoE layer on a CPU-only host (examples only; the GPU path needs none of it).
+"""Run Megatron-Core examples on one process, on a CPU-only host too.
 
-megatron-core 0.16's router moves its weights to `torch.cuda.current_device()` and its
-`moe_utils` refers to `te_general_gemm` even without Transformer Engine. On a machine without
-CUDA, these two adjustments let the examples build and run a real MoE layer; with CUDA present
-nothing is changed.
+megatron-core 0.16.1 refers to `te_general_gemm` in the router even without Transformer Engine
+(on the GPU too): it is defined as None here when TE is absent. On a machine without CUDA, the
+router's `torch.cuda.current_device()` answers "cpu" and attention dropout's CUDA RNG-tracker
+fork is a no-op, so the examples build and run a real MoE layer or GPTModel (pass an explicit
+attention mask: Megatron's default causal mask is made on CUDA).
 """
 
+import contextlib
 import os
 
 import torch
@@ -22,6 +24,7 @@ def init_single_process_megatron(port: int = 29512) -> None:
         torch.distributed.init_process_group(backend, rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
+    _define_te_general_gemm_without_te()
     if torch.cuda.is_available():
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -30,9 +33,17 @@ def init_single_process_megatron(port: int = 29512) -> None:
         _adapt_megatron_to_cpu()
 
 
-def _adapt_megatron_to_cpu() -> None:
-    torch.cuda.current_device = lambda: "cpu"
+def _define_te_general_gemm_without_te() -> None:
+    """0.16.1's router gating calls `te_general_gemm` even where TE (and so the name) is absent,
+    on the GPU too."""
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def _adapt_megatron_to_cpu() -> None:
+    torch.cuda.current_device = lambda: "cpu"
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()

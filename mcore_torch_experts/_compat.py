@@ -73,7 +73,19 @@ def expert_rng_fork():
 def is_moe_mlp_spec(mlp_spec) -> bool:
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    return getattr(mlp_spec, "module", None) is MoELayer or getattr(mlp_spec, "func", None) is MoELayer
+    layer = getattr(mlp_spec, "module", None) or getattr(mlp_spec, "func", None)
+    return isinstance(layer, type) and issubclass(layer, MoELayer)
+
+
+def with_moe_layer_class(mlp_spec, layer_class):
+    """A copy of the MoE mlp spec that builds `layer_class` (a MoELayer subclass).
+
+    In 0.16/0.17 TransformerLayer hands its pg_collection only to the exact MoELayer class; a
+    subclass is built without it and takes Megatron's default (global) process groups.
+    """
+    if isinstance(mlp_spec, functools.partial):
+        return functools.partial(layer_class, *mlp_spec.args, **mlp_spec.keywords)
+    return dataclasses.replace(mlp_spec, module=layer_class)
 
 
 def moe_submodules(mlp_spec):
@@ -99,3 +111,81 @@ def gpt_layer_spec_kwargs(builder, config, **kwargs) -> dict:
     if "moe_use_legacy_grouped_gemm" in params:  # removed in 0.17
         wanted.setdefault("moe_use_legacy_grouped_gemm", False)
     return {k: v for k, v in wanted.items() if k in params}
+
+
+# --- Full activation recompute ------------------------------------------------------------------
+# 0.16/0.17: TransformerBlock._checkpointed_forward; MambaStack has no full recompute.
+# 0.18+:     module-level megatron.core.recompute.checkpointed_forward, imported by name into
+#            transformer_block.py and models/hybrid/hybrid_block.py (HybridStack; MambaStack is
+#            an alias). Both keep `forward(hidden_states, ...)` as the entry point.
+
+
+def full_recompute_block_classes() -> tuple:
+    """The block classes whose forward runs Megatron's full (re-entrant) recompute."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    try:
+        from megatron.core.models.hybrid import hybrid_block
+    except ImportError:  # before 0.18
+        return (TransformerBlock,)
+    if hasattr(hybrid_block, "checkpointed_forward"):
+        return (TransformerBlock, hybrid_block.HybridStack)
+    return (TransformerBlock,)
+
+
+# --- Token dispatchers ---------------------------------------------------------------------------
+# Both the allgather and the alltoall dispatcher sum a token's top-k rows inside `moe_utils.unpermute`
+# (called without probs: the experts already applied them). FP32CombineMoELayer hands each
+# dispatcher instance a replacement for the method that calls it.
+
+
+def route_unpermute_through(dispatcher, combine) -> None:
+    """Make `dispatcher` sum top-k rows with `combine(permuted [N, H], token_ids [N], restore_shape)`."""
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    if isinstance(dispatcher, td.MoEAllGatherTokenDispatcher):
+        def combine_preprocess(hidden_states):
+            return combine(hidden_states, dispatcher.reversed_local_input_permutation_mapping,
+                           dispatcher.hidden_shape_before_permute)
+
+        dispatcher.combine_preprocess = combine_preprocess
+    elif isinstance(dispatcher, td.MoEAlltoAllTokenDispatcher):
+        def combine_postprocess(permuted_local_input_tokens):
+            if dispatcher.shared_experts is not None:
+                dispatcher.shared_experts.linear_fc2_forward(permuted_local_input_tokens)
+                dispatcher.shared_experts.post_forward_comm()
+            output = combine(permuted_local_input_tokens,
+                             dispatcher.reversed_local_input_permutation_mapping,
+                             dispatcher.hidden_shape_before_permute).view(dispatcher.hidden_shape)
+            if dispatcher.shared_experts is not None:
+                output = output + dispatcher.shared_experts.get_output()
+            return output
+
+        dispatcher.combine_postprocess = combine_postprocess
+    else:
+        raise TypeError(
+            f"moe_combine_in_fp32 supports the allgather and alltoall token dispatchers, got "
+            f"{type(dispatcher).__name__}; set moe_token_dispatcher_type to 'allgather' or "
+            "'alltoall', or moe_combine_in_fp32=False."
+        )
+
+
+# --- Converting built experts modules ------------------------------------------------------------
+# SequentialMLP and TEGroupedMLP keep their groups as ep_group / tp_group (expert TP); SequentialMLP
+# also keeps dp_group (expert DP), TEGroupedMLP does not (0.16). The legacy GroupedMLP (0.16 only)
+# is not converted: moe_use_legacy_grouped_gemm is refused.
+
+
+def convertible_experts_classes() -> tuple:
+    """Megatron's experts modules whose weights TorchGroupedMLP can take over."""
+    from megatron.core.transformer.moe import experts
+
+    return tuple(getattr(experts, name) for name in ("SequentialMLP", "TEGroupedMLP")
+                 if hasattr(experts, name))
+
+
+def experts_process_groups(experts) -> ProcessGroupCollection:
+    """The expert groups (ep, expt_tp, expt_dp) a built Megatron experts module runs with."""
+    groups = ProcessGroupCollection(ep=experts.ep_group, expt_tp=experts.tp_group)
+    groups.expt_dp = getattr(experts, "dp_group", None) or default_pg_collection(None).expt_dp
+    return groups

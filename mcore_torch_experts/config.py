@@ -1,7 +1,8 @@
 """The `moe_expert_gemm_backend` flag and the checks that run when it says "torch"."""
 
+import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -21,6 +22,55 @@ def _refuse(field: str, value, fix: str) -> None:
     )
 
 
+def _check_backend(backend) -> None:
+    if backend not in BACKENDS:
+        raise TorchExpertsConfigError(
+            f"moe_expert_gemm_backend={backend!r} is not a backend: set it to one of {BACKENDS}."
+        )
+
+
+_TE_OP_FUSER_FIX = "the TE operation fuser builds its own expert ops; set {field}=False."
+
+# Refused whenever set (truthy), as a config field or a spec-builder argument: {field: fix}.
+# A field the installed Megatron-Core lacks reads as unset.
+REFUSED_WHEN_SET = {
+    "fp8": "the frozen expert base runs in BF16; set fp8=None, or keep "
+           "moe_expert_gemm_backend='transformer_engine' for FP8 experts.",
+    "fp4": "the frozen expert base runs in BF16; set fp4=None, or keep "
+           "moe_expert_gemm_backend='transformer_engine' for FP4 experts.",
+    "fp16": "grouped GEMM's fast path is BF16; set fp16=False, bf16=True and "
+            "params_dtype=torch.bfloat16.",
+    "add_bias_linear": "expert weights must be bias-free; set add_bias_linear=False, or keep "
+                       "moe_expert_gemm_backend='transformer_engine'.",
+    "delay_wgrad_compute": "frozen experts have no weight gradient to delay; set "
+                           "delay_wgrad_compute=False.",
+    "moe_use_legacy_grouped_gemm": "TorchGroupedMLP replaces the legacy GroupedMLP; set "
+                                   "moe_use_legacy_grouped_gemm=False.",  # 0.16 only
+    "use_transformer_engine_op_fuser":  # config field, 0.18+
+        _TE_OP_FUSER_FIX.format(field="use_transformer_engine_op_fuser"),
+    "use_te_op_fuser": _TE_OP_FUSER_FIX.format(field="use_te_op_fuser"),  # spec-builder argument
+    "moe_mlp_glu_interleave_size": "TorchGroupedMLP lays fc1 out as [gate; up] halves; set "
+                                   "moe_mlp_glu_interleave_size=None.",  # 0.18+
+    "moe_single_grouped_weight": "TorchGroupedMLP keeps one Parameter per expert "
+                                 "(linear_fc*.weightN); set moe_single_grouped_weight=False.",  # 0.18+
+}
+# A fused expert-LoRA switch (none in Megatron-Core 0.16 to 0.19): a field naming LoRA and experts.
+FUSED_EXPERT_LORA_FIELD = re.compile(r"lora.*(expert|moe)|(expert|moe).*lora")
+OFFLOADED_EXPERT_MODULES = {"expert_fc1", "moe_act"}
+
+
+def refuse_unsupported_flags(settings: Mapping[str, object]) -> None:
+    """Refuse every REFUSED_WHEN_SET entry and fused expert-LoRA switch that is set in `settings`
+    (a config's fields, or a spec builder's keyword arguments)."""
+    for field, fix in REFUSED_WHEN_SET.items():
+        if settings.get(field):
+            _refuse(field, settings[field], fix)
+    for field, value in settings.items():
+        if value and FUSED_EXPERT_LORA_FIELD.search(field):
+            _refuse(field, value, f"the fused expert-LoRA path runs its own expert GEMMs; set "
+                    f"{field} off. Adapters wrap TorchGroupedMLP's linear_fc1/linear_fc2 instead.")
+
+
 def _check_supported_settings(config: TransformerConfig) -> None:
     if config.num_moe_experts is None:
         _refuse("num_moe_experts", None,
@@ -28,28 +78,14 @@ def _check_supported_settings(config: TransformerConfig) -> None:
                 "'transformer_engine' for dense models.")
     if not config.moe_grouped_gemm:
         _refuse("moe_grouped_gemm", False, "set moe_grouped_gemm=True.")
-    if getattr(config, "moe_use_legacy_grouped_gemm", False):
-        _refuse("moe_use_legacy_grouped_gemm", True,
-                "set moe_use_legacy_grouped_gemm=False; TorchGroupedMLP replaces the grouped MLP.")
-    if config.fp8 is not None:
-        _refuse("fp8", config.fp8, "the frozen expert base runs in BF16; set fp8=None or use "
-                "moe_expert_gemm_backend='transformer_engine'.")
-    if getattr(config, "fp4", None) is not None:
-        _refuse("fp4", config.fp4, "the frozen expert base runs in BF16; set fp4=None or use "
-                "moe_expert_gemm_backend='transformer_engine'.")
-    if config.fp16 or config.params_dtype == torch.float16:
-        _refuse("fp16" if config.fp16 else "params_dtype", True if config.fp16 else torch.float16,
-                "grouped GEMM's fast path is BF16; set bf16=True and params_dtype=torch.bfloat16.")
-    if config.add_bias_linear:
-        _refuse("add_bias_linear", True, "expert weights must be bias-free; set "
-                "add_bias_linear=False or use moe_expert_gemm_backend='transformer_engine'.")
-    if getattr(config, "delay_wgrad_compute", False):
-        _refuse("delay_wgrad_compute", True, "frozen experts have no weight gradient to delay; "
-                "set delay_wgrad_compute=False.")
-    if getattr(config, "use_te_op_fuser", False):
-        _refuse("use_te_op_fuser", True, "the TE operation fuser builds its own expert ops; set "
-                "use_te_op_fuser=False.")
-    offloaded = {"expert_fc1", "moe_act"} & set(getattr(config, "offload_modules", None) or [])
+    refuse_unsupported_flags(vars(config))
+    dtype = config.params_dtype
+    if dtype == torch.float16 or (dtype != torch.bfloat16 and not config.use_cpu_initialization):
+        _refuse("params_dtype", dtype,
+                "grouped GEMM runs BF16 expert weights on CUDA; set bf16=True and "
+                "params_dtype=torch.bfloat16 (float32 works only for CPU tests with "
+                "use_cpu_initialization=True).")
+    offloaded = OFFLOADED_EXPERT_MODULES & set(getattr(config, "offload_modules", None) or [])
     if getattr(config, "fine_grained_activation_offloading", False) and offloaded:
         _refuse("offload_modules", sorted(offloaded),
                 "expert activation offloading is not implemented for the torch backend; remove "
@@ -61,14 +97,16 @@ def _check_supported_settings(config: TransformerConfig) -> None:
                 "'moe' (whole MoE layer) or recompute_granularity='full'.")
     if config.moe_apply_probs_on_input and config.moe_router_topk != 1:
         _refuse("moe_apply_probs_on_input", True,
-                f"it needs moe_router_topk=1 (got {config.moe_router_topk}).")
+                f"it needs moe_router_topk=1 (got {config.moe_router_topk}); set "
+                "moe_router_topk=1 or moe_apply_probs_on_input=False.")
 
 
 def _check_shapes(config: TransformerConfig, ep_size: int, etp_size: int) -> None:
     experts = config.num_moe_experts
     if experts % ep_size:
         _refuse("num_moe_experts", experts,
-                f"it must be divisible by expert_model_parallel_size={ep_size}.")
+                f"it must be divisible by expert_model_parallel_size={ep_size}. Choose an "
+                "expert_model_parallel_size that divides it.")
     local = experts // ep_size
     if local > MAX_LOCAL_EXPERTS:
         _refuse("num_moe_experts", experts,
@@ -77,35 +115,67 @@ def _check_shapes(config: TransformerConfig, ep_size: int, etp_size: int) -> Non
     ffn = config.moe_ffn_hidden_size
     if ffn % etp_size:
         _refuse("moe_ffn_hidden_size", ffn,
-                f"it must be divisible by expert_tensor_parallel_size={etp_size}.")
+                f"it must be divisible by expert_tensor_parallel_size={etp_size}. Choose an "
+                "expert_tensor_parallel_size that divides it.")
     local_ffn = ffn // etp_size
     if local_ffn % ALIGN_ELEMENTS:
         _refuse("moe_ffn_hidden_size", ffn,
                 f"the per-rank width {ffn}/{etp_size}={local_ffn} must be a multiple of "
-                f"{ALIGN_ELEMENTS} (grouped GEMM needs 16-byte strides).")
+                f"{ALIGN_ELEMENTS} (grouped GEMM needs 16-byte strides); use a smaller "
+                "expert_tensor_parallel_size.")
     in_field = "hidden_size" if config.moe_latent_size is None else "moe_latent_size"
     in_size = getattr(config, in_field)
     if in_size % ALIGN_ELEMENTS:
         _refuse(in_field, in_size,
-                f"it must be a multiple of {ALIGN_ELEMENTS} (grouped GEMM needs 16-byte strides).")
+                f"it must be a multiple of {ALIGN_ELEMENTS} (grouped GEMM needs 16-byte strides); "
+                "keep moe_expert_gemm_backend='transformer_engine' for this model.")
 
 
 def validate_torch_experts_config(config: TransformerConfig, ep_size: Optional[int] = None,
                                   etp_size: Optional[int] = None) -> None:
-    """Refuse every setting the torch expert backend cannot honour, naming field, value and fix.
+    """Refuse every setting the torch expert backend cannot honour with a TorchExpertsConfigError
+    naming the field, its value and the fix.
 
-    `ep_size`/`etp_size` default to the config's parallel sizes; pass the process-group sizes
-    when they are known (at module build time).
+    Runs when a TorchExpertsTransformerConfig says "torch", when the reference specs pick
+    TorchGroupedMLP, when TorchGroupedMLP is built and before a model is converted. `ep_size` /
+    `etp_size` default to the config's parallel sizes; pass the process-group sizes when known.
+    A config without the `moe_expert_gemm_backend` field counts as asking for "torch".
     """
-    backend = getattr(config, "moe_expert_gemm_backend", "torch")
-    if backend not in BACKENDS:
-        raise TorchExpertsConfigError(
-            f"moe_expert_gemm_backend={backend!r} is not a backend; choose one of {BACKENDS}."
-        )
+    _check_backend(getattr(config, "moe_expert_gemm_backend", "torch"))
     _check_supported_settings(config)
     ep = ep_size if ep_size is not None else config.expert_model_parallel_size
     etp = etp_size if etp_size is not None else (config.expert_tensor_parallel_size or 1)
     _check_shapes(config, ep, etp)
+
+
+COMBINE_DISPATCHERS = ("allgather", "alltoall")
+
+
+def validate_fp32_combine_config(config: TransformerConfig) -> None:
+    """Refuse settings under which the FP32 top-k combine cannot run as asked."""
+
+    def refuse(field, value, fix):
+        raise TorchExpertsConfigError(
+            f"moe_combine_in_fp32=True does not support {field}={value!r}: {fix}")
+
+    if config.num_moe_experts is None:
+        refuse("num_moe_experts", None, "it combines MoE expert outputs; set moe_combine_in_fp32=False.")
+    if config.moe_token_dispatcher_type not in COMBINE_DISPATCHERS:
+        refuse("moe_token_dispatcher_type", config.moe_token_dispatcher_type,
+               f"use one of {COMBINE_DISPATCHERS}.")
+    if config.moe_permute_fusion:
+        refuse("moe_permute_fusion", True, "the fused unpermute does its own combine; set "
+               "moe_permute_fusion=False.")
+    if config.moe_pad_expert_input_to_capacity:
+        refuse("moe_pad_expert_input_to_capacity", True, "padded (drop-and-pad) combines are not "
+               "supported; set moe_pad_expert_input_to_capacity=False.")
+    chunk_rows = getattr(config, "moe_combine_chunk_rows", None)
+    if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int)
+                                   or chunk_rows < 0):
+        refuse("moe_combine_chunk_rows", chunk_rows, "use an int >= 0 (0 = single shot) or None.")
+    backend = getattr(config, "moe_combine_backend", None)
+    if backend not in (None, "torch", "triton"):
+        refuse("moe_combine_backend", backend, "use 'torch', 'triton' or None (automatic).")
 
 
 @dataclass
@@ -115,12 +185,22 @@ class TorchExpertsTransformerConfig(TransformerConfig):
     moe_expert_gemm_backend: str = "transformer_engine"
     """"transformer_engine" (Megatron's own experts) or "torch" (TorchGroupedMLP)."""
 
+    moe_combine_in_fp32: bool = False
+    """Sum each token's top-k expert outputs in FP32 with bounded memory (FP32CombineMoELayer in
+    the reference specs). Off: Megatron's combine, unchanged."""
+
+    moe_combine_chunk_rows: Optional[int] = None
+    """Rows per chunk of the torch FP32 combine (0 = single shot); None reads
+    MCORE_TORCH_EXPERTS_COMBINE_CHUNK_ROWS, unset means 4096."""
+
+    moe_combine_backend: Optional[str] = None
+    """"torch" (chunked scatter-add), "triton" (fused, deterministic; CUDA) or None (triton on
+    CUDA when importable, else torch)."""
+
     def __post_init__(self):
         super().__post_init__()
-        if self.moe_expert_gemm_backend not in BACKENDS:
-            raise TorchExpertsConfigError(
-                f"moe_expert_gemm_backend={self.moe_expert_gemm_backend!r} is not a backend; "
-                f"choose one of {BACKENDS}."
-            )
+        _check_backend(self.moe_expert_gemm_backend)
         if self.moe_expert_gemm_backend == "torch":
             validate_torch_experts_config(self)
+        if self.moe_combine_in_fp32:
+            validate_fp32_combine_config(self)

@@ -1,0 +1,104 @@
+"""A Megatron-LM style `model_provider` (as in pretrain_gpt.py) whose MoE layers get TorchGroupedMLP
+experts when `--moe-expert-gemm-backend torch` is given. Runs a tiny GPT-MoE on the CPU.
+
+    python examples/megatron_lm_provider.py [--moe-expert-gemm-backend transformer_engine]
+
+In Megatron-LM three lines change (the rest of pretrain_gpt.py stays):
+    pretrain(..., extra_args_provider=add_torch_experts_args)               # the flag
+    config = core_transformer_config_from_args(args, TorchExpertsTransformerConfig)
+    transformer_layer_spec = gpt_transformer_layer_spec(config, vp_stage, use_te)  # the spec
+Megatron-LM's `get_args()` / `core_transformer_config_from_args` are stood in for below.
+"""
+
+import argparse
+import json
+
+import torch
+from megatron.core.models.gpt import GPTModel
+
+from cpu_support import init_single_process_megatron
+from mcore_torch_experts import TorchExpertsTransformerConfig
+from mcore_torch_experts.config import BACKENDS
+from mcore_torch_experts.specs import gpt_transformer_layer_spec
+
+_ARGS = None  # Megatron-LM: megatron.training.get_args()
+
+
+def add_torch_experts_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM `extra_args_provider`: the flag lands in args.moe_expert_gemm_backend, which
+    core_transformer_config_from_args copies into the config field of the same name."""
+    group = parser.add_argument_group(title="torch experts")
+    group.add_argument("--moe-expert-gemm-backend", choices=BACKENDS, default="transformer_engine",
+                       help="'torch': frozen BF16 experts through torch grouped GEMM.")
+    return parser
+
+
+def core_transformer_config_from_args(args, config_class=TorchExpertsTransformerConfig):
+    """Stands in for megatron.training.arguments.core_transformer_config_from_args at tiny size."""
+    on_cpu = not torch.cuda.is_available()
+    return config_class(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=4,
+        ffn_hidden_size=4 * args.hidden_size, num_moe_experts=args.num_experts,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_layer_freq=args.moe_layer_freq,
+        moe_router_topk=2, moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=args.moe_expert_gemm_backend == "torch",  # Megatron-LM: --moe-grouped-gemm
+        moe_aux_loss_coeff=0.0, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm", add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16,
+        use_cpu_initialization=on_cpu, moe_expert_gemm_backend=args.moe_expert_gemm_backend,
+    )
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None) -> GPTModel:
+    """Build the model, as pretrain_gpt.py's model_provider does."""
+    args = _ARGS
+    config = core_transformer_config_from_args(args, TorchExpertsTransformerConfig)
+    use_te = args.transformer_impl == "transformer_engine"
+    transformer_layer_spec = gpt_transformer_layer_spec(config, vp_stage=vp_stage,
+                                                        use_transformer_engine=use_te)
+    return GPTModel(config=config, transformer_layer_spec=transformer_layer_spec,
+                    vocab_size=args.padded_vocab_size, max_sequence_length=args.seq_length,
+                    pre_process=pre_process, post_process=post_process,
+                    position_embedding_type="rope", vp_stage=vp_stage)
+
+
+def layer_summary(model: GPTModel) -> str:
+    return ", ".join(f"{i}: {type(layer.mlp.experts).__name__}" if hasattr(layer.mlp, "experts")
+                     else f"{i}: dense {type(layer.mlp).__name__}"
+                     for i, layer in enumerate(model.decoder.layers))
+
+
+def main():
+    global _ARGS
+    parser = add_torch_experts_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser.set_defaults(moe_expert_gemm_backend="torch")  # this example shows the torch backend
+    parser.add_argument("--num-layers", type=int, default=3)
+    parser.add_argument("--moe-layer-freq", type=json.loads, default=[0, 1, 1])
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-experts", type=int, default=4)
+    parser.add_argument("--moe-ffn-hidden-size", type=int, default=32)
+    parser.add_argument("--padded-vocab-size", type=int, default=128)
+    parser.add_argument("--seq-length", type=int, default=16)
+    parser.add_argument("--transformer-impl", default="local",
+                        choices=["local", "transformer_engine"])
+    _ARGS = args = parser.parse_args()
+
+    init_single_process_megatron()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    model = model_provider().to(device)
+    for name, param in model.named_parameters():  # the frozen expert base of adapter training
+        if ".mlp.experts." in name:
+            param.requires_grad_(False)
+
+    tokens = torch.randint(0, args.padded_vocab_size, (2, args.seq_length + 1), device=device)
+    positions = torch.arange(args.seq_length, device=device).expand(2, -1)
+    causal_mask = torch.ones(1, 1, args.seq_length, args.seq_length, dtype=torch.bool,
+                             device=device).triu(1)
+    loss = model(tokens[:, :-1], positions, causal_mask, labels=tokens[:, 1:]).float().mean()
+    loss.backward()
+    print(f"megatron_lm_provider (--moe-expert-gemm-backend {args.moe_expert_gemm_backend}): "
+          f"layers [{layer_summary(model)}]; loss {loss.item():.3f} on {device}")
+
+
+if __name__ == "__main__":
+    main()

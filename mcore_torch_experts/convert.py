@@ -1,0 +1,109 @@
+"""Swap the experts of an already built model (SequentialMLP, TEGroupedMLP) for TorchGroupedMLP.
+
+For models that someone else's provider builds: call it after the model is built and before
+adapters, DDP wrapping and the optimizer.
+"""
+
+import copy
+from dataclasses import dataclass, field
+from typing import List, Sequence, Tuple, Union
+
+import torch
+
+from . import _compat
+from .config import validate_torch_experts_config
+from .experts import TorchGroupedMLP
+
+
+@dataclass
+class ConversionSummary:
+    """What convert_experts_to_torch replaced."""
+
+    modules_converted: int = 0
+    bytes_packed: int = 0
+    """Bytes of expert weights now held in TorchGroupedMLP's packed buffers."""
+    names: List[str] = field(default_factory=list)
+    """Qualified names of the replaced experts modules (`decoder.layers.1.mlp.experts`, ...)."""
+
+
+def convert_experts_to_torch(
+        model: Union[torch.nn.Module, Sequence[torch.nn.Module]]) -> ConversionSummary:
+    """Replace every SequentialMLP / TEGroupedMLP experts module of `model` (a module, or a list
+    of model chunks) with a TorchGroupedMLP holding the same weights, frozen.
+
+    Keys: the state-dict keys change from SequentialMLP's
+    `experts.local_experts.{i}.linear_fc{1,2}.weight` to TEGroupedMLP's
+    `experts.linear_fc{1,2}.weight{i}` (TEGroupedMLP's stay as they are); the sharded
+    (distributed-checkpoint) keys, global shapes and offsets are identical before and after, so
+    distributed checkpoints load either way.
+
+    Every module is validated first (validate_torch_experts_config with its own expert-parallel
+    and expert-tensor-parallel group sizes), so a refusal leaves the model untouched;
+    `moe_grouped_gemm` need not be set, the conversion is what makes the experts grouped. Each new
+    module is built on the old weights' device in their dtype without initialisation, filled
+    expert by expert, and the old module dropped before the next one is built: at most one
+    layer's experts exist twice. Hooks on the old modules do not carry over.
+    """
+    root = torch.nn.ModuleList(model) if isinstance(model, (list, tuple)) else model
+    names = _validated_targets(root)
+    summary = ConversionSummary()
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = root.get_submodule(parent_name)
+        new = _torch_grouped_mlp_like(getattr(parent, child), name)
+        setattr(parent, child, new)  # the old module's last reference here goes
+        summary.modules_converted += 1
+        summary.bytes_packed += sum(linear.packed_weight.nbytes
+                                    for linear in (new.linear_fc1, new.linear_fc2))
+        summary.names.append(name)
+    return summary
+
+
+def _validated_targets(root: torch.nn.Module) -> List[str]:
+    """Names of the convertible experts modules, each one's settings checked."""
+    classes = _compat.convertible_experts_classes()
+    names = []
+    for name, module in root.named_modules():
+        if isinstance(module, classes):
+            validate_torch_experts_config(_build_config(module),
+                                          _compat.group_size(module.ep_group),
+                                          _compat.group_size(module.tp_group))
+            names.append(name)
+    return names
+
+
+def _expert_weights(experts) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """(fc1 [F*(2 if GLU)/etp, H], fc2 [H, F/etp]) for each local expert of a Megatron module."""
+    if hasattr(experts, "local_experts"):  # SequentialMLP
+        return [(e.linear_fc1.weight, e.linear_fc2.weight) for e in experts.local_experts]
+    return [(getattr(experts.linear_fc1, f"weight{i}"), getattr(experts.linear_fc2, f"weight{i}"))
+            for i in range(experts.num_local_experts)]
+
+
+def _build_config(experts):
+    """A shallow copy of the module's config describing the TorchGroupedMLP to build in its place:
+    grouped, on the weights' device, in their dtype, not initialised."""
+    weight = _expert_weights(experts)[0][0]
+    config = copy.copy(experts.config)
+    config.moe_grouped_gemm = True
+    config.use_cpu_initialization = weight.device.type == "cpu"
+    config.perform_initialization = False
+    config.params_dtype = weight.dtype
+    return config
+
+
+@torch.no_grad()
+def _torch_grouped_mlp_like(experts, name: str) -> TorchGroupedMLP:
+    new = TorchGroupedMLP(experts.num_local_experts, _build_config(experts),
+                          pg_collection=_compat.experts_process_groups(experts), name=name)
+    for i, (fc1, fc2) in enumerate(_expert_weights(experts)):
+        for packed, weight in ((new.linear_fc1.packed_weight[i], fc1),
+                               (new.linear_fc2.packed_weight[i], fc2)):
+            if weight.shape != packed.shape:
+                raise ValueError(f"{name}: expert {i} weight has shape {list(weight.shape)}, "
+                                 f"expected {list(packed.shape)}")
+            packed.copy_(weight)
+    for module in new.modules():
+        module.config = experts.config  # the config the replaced module ran with
+    new.requires_grad_(False)
+    return new.train(experts.training)

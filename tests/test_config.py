@@ -1,0 +1,145 @@
+"""Every setting the torch expert backend cannot honour is refused with one exception type whose
+message names the field, its value and the fix; at config construction, at spec build and when
+TorchGroupedMLP is built from a plain TransformerConfig."""
+
+import pytest
+import torch
+
+from mcore_torch_experts import (
+    TorchExpertsConfigError,
+    TorchExpertsTransformerConfig,
+    TorchGroupedMLP,
+    validate_torch_experts_config,
+)
+from mcore_torch_experts.specs import torch_experts_spec
+from reference import make_config
+
+VALID = dict(num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=4,
+             moe_ffn_hidden_size=32, moe_router_topk=2, moe_grouped_gemm=True,
+             add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16)
+
+# (case, settings applied to a valid config, validate() arguments, "field=value" named, fix named).
+# Settings are assigned after construction: Megatron's own __post_init__ refuses some of them
+# first on this machine (fp8 needs Transformer Engine), and 0.18+ fields do not exist in 0.16.
+REFUSALS = [
+    ("no_experts", dict(num_moe_experts=None), {}, "num_moe_experts=None", "set num_moe_experts"),
+    ("no_grouped_gemm", dict(moe_grouped_gemm=False), {}, "moe_grouped_gemm=False",
+     "set moe_grouped_gemm=True"),
+    ("fp8", dict(fp8="e4m3"), {}, "fp8='e4m3'", "set fp8=None"),
+    ("fp4", dict(fp4="e2m1"), {}, "fp4='e2m1'", "set fp4=None"),
+    ("fp16", dict(fp16=True, bf16=False), {}, "fp16=True", "set fp16=False, bf16=True"),
+    ("fp16_params", dict(params_dtype=torch.float16), {}, "params_dtype=torch.float16",
+     "params_dtype=torch.bfloat16"),
+    ("fp32_params_on_cuda", dict(params_dtype=torch.float32), {}, "params_dtype=torch.float32",
+     "grouped GEMM runs BF16 expert weights on CUDA"),
+    ("bias", dict(add_bias_linear=True), {}, "add_bias_linear=True", "set add_bias_linear=False"),
+    ("delay_wgrad", dict(delay_wgrad_compute=True), {}, "delay_wgrad_compute=True",
+     "set delay_wgrad_compute=False"),
+    ("legacy_grouped_gemm", dict(moe_use_legacy_grouped_gemm=True), {},
+     "moe_use_legacy_grouped_gemm=True", "set moe_use_legacy_grouped_gemm=False"),
+    ("te_op_fuser_0_18", dict(use_transformer_engine_op_fuser=True), {},
+     "use_transformer_engine_op_fuser=True", "set use_transformer_engine_op_fuser=False"),
+    ("te_op_fuser_spec_arg", dict(use_te_op_fuser=True), {}, "use_te_op_fuser=True",
+     "set use_te_op_fuser=False"),
+    ("glu_interleave_0_18", dict(moe_mlp_glu_interleave_size=32), {},
+     "moe_mlp_glu_interleave_size=32", "set moe_mlp_glu_interleave_size=None"),
+    ("single_grouped_weight_0_18", dict(moe_single_grouped_weight=True), {},
+     "moe_single_grouped_weight=True", "set moe_single_grouped_weight=False"),
+    ("fused_expert_lora", dict(moe_expert_lora_fusion=True), {}, "moe_expert_lora_fusion=True",
+     "set moe_expert_lora_fusion off"),
+    ("expert_offloading", dict(fine_grained_activation_offloading=True,
+                               offload_modules=["attn_norm", "moe_act", "expert_fc1"]), {},
+     "offload_modules=['expert_fc1', 'moe_act']", "remove 'expert_fc1' and 'moe_act'"),
+    ("moe_act_recompute", dict(recompute_granularity="selective", recompute_modules=["moe_act"]),
+     {}, "recompute_modules=['moe_act']", "use 'moe' (whole MoE layer)"),
+    ("probs_on_input_top2", dict(moe_apply_probs_on_input=True), {},
+     "moe_apply_probs_on_input=True",
+     "it needs moe_router_topk=1 (got 2); set moe_router_topk=1 or moe_apply_probs_on_input=False"),
+    ("experts_not_divisible_by_ep", dict(expert_model_parallel_size=3), {}, "num_moe_experts=4",
+     "divisible by expert_model_parallel_size=3. Choose an expert_model_parallel_size"),
+    ("ep_group_size", {}, dict(ep_size=8), "num_moe_experts=4",
+     "divisible by expert_model_parallel_size=8"),
+    ("1024_local_experts", dict(num_moe_experts=1024), {}, "num_moe_experts=1024",
+     "1024 local experts per rank; grouped GEMM takes at most 1023"),
+    ("ffn_not_divisible_by_etp", {}, dict(etp_size=3), "moe_ffn_hidden_size=32",
+     "divisible by expert_tensor_parallel_size=3. Choose an expert_tensor_parallel_size"),
+    ("etp_local_width", dict(moe_ffn_hidden_size=48), dict(etp_size=4), "moe_ffn_hidden_size=48",
+     "the per-rank width 48/4=12 must be a multiple of 8 (grouped GEMM needs 16-byte strides); "
+     "use a smaller expert_tensor_parallel_size"),
+    ("hidden_alignment", dict(hidden_size=60), {}, "hidden_size=60",
+     "a multiple of 8 (grouped GEMM needs 16-byte strides); keep moe_expert_gemm_backend="),
+    ("latent_alignment", dict(moe_latent_size=36), {}, "moe_latent_size=36", "a multiple of 8"),
+]
+
+
+def valid_config():
+    return TorchExpertsTransformerConfig(**VALID, moe_expert_gemm_backend="torch")
+
+
+@pytest.mark.parametrize("settings, kwargs, named, fix",
+                         [case[1:] for case in REFUSALS], ids=[case[0] for case in REFUSALS])
+def test_refusal_names_field_value_and_fix(settings, kwargs, named, fix):
+    config = valid_config()
+    for field, value in settings.items():
+        setattr(config, field, value)
+    with pytest.raises(TorchExpertsConfigError) as refusal:
+        validate_torch_experts_config(config, **kwargs)
+    message = str(refusal.value)
+    assert message.startswith(f"moe_expert_gemm_backend='torch' does not support {named}: ")
+    assert fix in message
+
+
+def test_unknown_backend_is_refused():
+    config = valid_config()
+    config.moe_expert_gemm_backend = "cutlass"
+    message = "moe_expert_gemm_backend='cutlass' is not a backend: set it to one of"
+    with pytest.raises(TorchExpertsConfigError, match=message):
+        validate_torch_experts_config(config)
+    with pytest.raises(TorchExpertsConfigError, match=message):
+        TorchExpertsTransformerConfig(**VALID, moe_expert_gemm_backend="cutlass")
+
+
+def test_one_exception_type_that_is_a_value_error():
+    assert issubclass(TorchExpertsConfigError, ValueError)
+
+
+@pytest.mark.parametrize("settings, named", [
+    (dict(add_bias_linear=True), "add_bias_linear=True"),
+    (dict(moe_grouped_gemm=False), "moe_grouped_gemm=False"),
+    (dict(num_moe_experts=None, moe_ffn_hidden_size=None), "num_moe_experts=None"),
+    (dict(params_dtype=torch.float32), "params_dtype=torch.float32"),
+    (dict(use_cpu_initialization=True, hidden_size=60), "hidden_size=60"),
+], ids=["bias", "no_grouped_gemm", "dense", "fp32_on_cuda", "hidden"])
+def test_construction_with_the_torch_backend_validates(settings, named):
+    with pytest.raises(TorchExpertsConfigError, match=f"does not support {named}: "):
+        TorchExpertsTransformerConfig(**{**VALID, **settings}, moe_expert_gemm_backend="torch")
+
+
+def test_valid_configs_build():
+    config = valid_config()
+    assert config.moe_expert_gemm_backend == "torch"
+    validate_torch_experts_config(config)
+    # float32 is fine on the CPU (tests); an EP x ETP layout that divides evenly is fine.
+    TorchExpertsTransformerConfig(**{**VALID, "params_dtype": torch.float32, "bf16": False},
+                                  use_cpu_initialization=True, moe_expert_gemm_backend="torch")
+    eight_experts = TorchExpertsTransformerConfig(**{**VALID, "num_moe_experts": 8,
+                                                      "moe_ffn_hidden_size": 64})
+    validate_torch_experts_config(eight_experts, ep_size=4, etp_size=2)
+
+
+def test_default_backend_checks_nothing():
+    """"transformer_engine" (the default) builds Megatron's experts: none of the torch checks run."""
+    config = TorchExpertsTransformerConfig(**{**VALID, "add_bias_linear": True,
+                                              "moe_grouped_gemm": False})
+    assert config.moe_expert_gemm_backend == "transformer_engine"
+    dense = TorchExpertsTransformerConfig(num_layers=1, hidden_size=60, num_attention_heads=4)
+    assert dense.num_moe_experts is None
+
+
+def test_plain_transformer_config_is_validated_when_torch_grouped_mlp_is_built(megatron_cpu):
+    config = make_config(add_bias_linear=True)
+    with pytest.raises(TorchExpertsConfigError, match="add_bias_linear=True: expert weights"):
+        TorchGroupedMLP(4, config, pg_collection=megatron_cpu)
+    # Through the spec, as MoELayer builds it: build_module keeps the exception type.
+    with pytest.raises(TorchExpertsConfigError, match="add_bias_linear=True"):
+        torch_experts_spec()(4, config, pg_collection=megatron_cpu)

@@ -1,0 +1,125 @@
+"""convert_experts_to_torch turns a model someone else's provider built (SequentialMLP or
+TEGroupedMLP experts) into one with TorchGroupedMLP experts: same outputs, same sharded keys."""
+
+import gc
+import importlib.util
+import weakref
+
+import pytest
+import torch
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+from mcore_torch_experts import TorchExpertsConfigError, TorchGroupedMLP
+from mcore_torch_experts.convert import ConversionSummary, convert_experts_to_torch
+from reference import rel_err
+from tiny_gpt import (HIDDEN, MOE_FFN, MOE_LAYERS, NUM_EXPERTS, forward_backward, freeze_experts,
+                      gpt, sequential_to_grouped, tiny_config)
+from tiny_gpt import megatron_cpu_gpt  # noqa: F401  (fixture)
+
+EXPERTS = [f"decoder.layers.{layer}.mlp.experts" for layer in MOE_LAYERS]
+# fc1 [2F, H] (SwiGLU) and fc2 [H, F] per expert, bf16.
+BYTES_PER_LAYER = NUM_EXPERTS * (2 * MOE_FFN * HIDDEN + HIDDEN * MOE_FFN) * 2
+
+
+def sequential_mlp_model(**overrides):
+    """What a provider builds with Megatron's local spec and moe_grouped_gemm=False."""
+    config = tiny_config(moe_grouped_gemm=False, **overrides)
+    return gpt(config, gpt_layer_specs.get_gpt_decoder_block_spec(config, False))
+
+
+def sharded_layout(model):
+    """{global key: sorted [(kind, global shape, global offset)]} of the sharded state dict."""
+    sharded = model.sharded_state_dict()
+    apply_factories(sharded)
+    layout = {}
+    for value in sharded.values():
+        for item in value if isinstance(value, list) else [value]:  # GLU: [gate half, up half]
+            if isinstance(item, ShardedTensor):
+                entry = ("tensor", item.global_shape, item.global_offset)
+            else:
+                assert isinstance(item, ShardedObject), type(item)
+                entry = ("object", item.global_shape, item.global_offset)
+            layout.setdefault(item.key, []).append(entry)
+    return {key: sorted(entries) for key, entries in layout.items()}
+
+
+def test_conversion_keeps_outputs_weights_and_sharded_keys(megatron_cpu_gpt):
+    model = sequential_mlp_model()
+    freeze_experts(model)
+    logits, loss, grads = forward_backward(model)
+    state = sequential_to_grouped(model.state_dict())
+    layout = sharded_layout(model)
+    # Megatron's global expert key (MoELayer's `experts.` prefix, then the experts' own): one
+    # entry per expert and GLU half.
+    assert len(layout[f"{EXPERTS[0]}.experts.linear_fc1.weight"]) == 2 * NUM_EXPERTS
+    old_experts = [weakref.ref(model.get_submodule(name)) for name in EXPERTS]
+    old_configs = [model.get_submodule(name).config for name in EXPERTS]
+
+    summary = convert_experts_to_torch(model)
+
+    assert summary == ConversionSummary(modules_converted=2, bytes_packed=2 * BYTES_PER_LAYER,
+                                        names=EXPERTS)
+    for name, config in zip(EXPERTS, old_configs):
+        experts = model.get_submodule(name)
+        assert isinstance(experts, TorchGroupedMLP) and experts.linear_fc1.name == f"{name}.linear_fc1"
+        assert experts.config is config and experts.linear_fc2.config is config
+        assert not any(p.requires_grad for p in experts.parameters())
+    gc.collect()
+    assert all(ref() is None for ref in old_experts)  # no second copy of the weights stays alive
+
+    new_state = model.state_dict()
+    assert not any("local_experts" in key for key in new_state)
+    assert set(new_state) == set(state) | {f"{name}.linear_fc{j}._extra_state"
+                                           for name in EXPERTS for j in (1, 2)}
+    for key, value in state.items():
+        assert torch.equal(new_state[key], value) if torch.is_tensor(value) else \
+            new_state[key] == value, key
+    assert sharded_layout(model) == layout
+
+    new_logits, new_loss, new_grads = forward_backward(model)
+    assert rel_err(new_logits, logits) < 1e-3 and rel_err(new_loss, loss) < 1e-3
+    assert new_grads.keys() == grads.keys()
+    for name, grad in new_grads.items():
+        assert rel_err(grad, grads[name]) < 1e-2, name
+
+
+def test_refused_model_is_left_untouched(megatron_cpu_gpt):
+    model = sequential_mlp_model(add_bias_linear=True)
+    with pytest.raises(TorchExpertsConfigError, match="add_bias_linear=True"):
+        convert_experts_to_torch(model)
+    assert all(isinstance(model.get_submodule(name), SequentialMLP) for name in EXPERTS)
+
+
+def test_model_chunks_and_a_second_conversion(megatron_cpu_gpt):
+    model = sequential_mlp_model()
+    summary = convert_experts_to_torch([model])  # Megatron-LM and Bridge hand over chunk lists
+    assert summary.names == [f"0.{name}" for name in EXPERTS]
+    assert convert_experts_to_torch(model) == ConversionSummary()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="TEGroupedMLP runs on CUDA only")
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
+                    reason="Transformer Engine is not installed: no TEGroupedMLP to convert")
+def test_te_grouped_mlp_model_converts_with_unchanged_keys(megatron_cpu_gpt):
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    config = tiny_config(moe_grouped_gemm=True, use_cpu_initialization=False)
+    model = gpt(config, gpt_layer_specs.get_gpt_decoder_block_spec(config, True))
+    assert all(isinstance(model.get_submodule(name), TEGroupedMLP) for name in EXPERTS)
+    freeze_experts(model)
+    logits, _, grads = forward_backward(model)
+    weights = {k: v.clone() for k, v in model.state_dict().items() if ".experts." in k
+               and "_extra_state" not in k}
+    layout = sharded_layout(model)
+
+    summary = convert_experts_to_torch(model)
+
+    assert summary.names == EXPERTS and summary.bytes_packed == 2 * BYTES_PER_LAYER
+    new_state = model.state_dict()
+    assert all(torch.equal(new_state[key], value) for key, value in weights.items())
+    assert sharded_layout(model) == layout
+    new_logits, _, new_grads = forward_backward(model)
+    assert rel_err(new_logits, logits) < 1e-2
+    assert all(rel_err(new_grads[name], grads[name]) < 5e-2 for name in grads)

@@ -1,0 +1,183 @@
+"""The reference specs put TorchGroupedMLP in every MoE layer when the flag says "torch", and a
+GPTModel built from them computes what Megatron's SequentialMLP model computes with the same
+weights. The spec helpers also handle the partial-based specs of Megatron-Core 0.18+."""
+
+import dataclasses
+import functools
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from mcore_torch_experts import TorchExpertsConfigError, TorchGroupedMLP, _compat, specs
+from reference import rel_err
+from tiny_gpt import (MOE_LAYER_FREQ, MOE_LAYERS, NUM_EXPERTS, forward_backward, freeze_experts,
+                      gpt, sequential_to_grouped, tiny_config)
+from tiny_gpt import megatron_cpu_gpt  # noqa: F401  (fixture)
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# Same weights, same math: only the expert GEMM kernels differ (equal on the CPU). Tight enough
+# to notice one expert of one layer scaled by 1.5 (logits move by 6e-3, gradients by 0.25).
+LOGITS_TOL, GRAD_TOL = 1e-3, 1e-2
+
+
+def mlp_kinds(model):
+    """Per layer: the MLP class of dense layers, the experts class of MoE layers."""
+    return [type(getattr(layer.mlp, "experts", layer.mlp)) for layer in model.decoder.layers]
+
+
+def test_gpt_model_from_the_reference_spec_matches_the_sequential_mlp_model(megatron_cpu_gpt):
+    ours_config = tiny_config(moe_expert_gemm_backend="torch", moe_grouped_gemm=True)
+    ours = gpt(ours_config, specs.get_gpt_decoder_block_spec(ours_config, False), seed=1)
+    ref_config = tiny_config(moe_grouped_gemm=False)  # the default backend: Megatron's experts
+    reference = gpt(ref_config, gpt_layer_specs.get_gpt_decoder_block_spec(ref_config, False))
+
+    expected_kinds = [TorchGroupedMLP if freq else MLP for freq in MOE_LAYER_FREQ]
+    assert mlp_kinds(ours) == expected_kinds
+    assert mlp_kinds(reference) == [SequentialMLP if freq else MLP for freq in MOE_LAYER_FREQ]
+
+    # Load the reference weights: non-expert keys are identical, expert keys map one to one.
+    grouped = sequential_to_grouped(reference.state_dict())
+    assert not torch.equal(ours.state_dict()["decoder.layers.1.mlp.experts.linear_fc1.weight2"],
+                           grouped["decoder.layers.1.mlp.experts.linear_fc1.weight2"])
+    missing, unexpected = ours.load_state_dict(grouped, strict=False)
+    assert unexpected == []
+    assert missing == [f"decoder.layers.{layer}.mlp.experts.linear_fc{j}._extra_state"
+                       for layer in MOE_LAYERS for j in (1, 2)]
+    freeze_experts(ours)
+    freeze_experts(reference)
+
+    logits, loss, grads = forward_backward(ours)
+    ref_logits, ref_loss, ref_grads = forward_backward(reference)
+    assert logits.shape == (2, 16, 128)
+    assert rel_err(logits, ref_logits) < LOGITS_TOL
+    assert rel_err(loss, ref_loss) < LOGITS_TOL
+    assert grads.keys() == ref_grads.keys()
+    assert "embedding.word_embeddings.weight" in grads  # reached through every layer's input grad
+    for name, grad in grads.items():
+        assert rel_err(grad, ref_grads[name]) < GRAD_TOL, name
+
+
+def test_transformer_engine_backend_leaves_megatron_specs_unchanged(megatron_cpu):
+    config = tiny_config(moe_grouped_gemm=False)
+    assert specs.get_gpt_decoder_block_spec(config, False) == \
+        gpt_layer_specs.get_gpt_decoder_block_spec(config, False)
+    ours = specs.get_gpt_layer_local_spec(config)
+    assert ours.submodules.mlp.submodules.experts.module is SequentialMLP
+
+
+def test_block_spec_swaps_only_moe_experts_and_never_mutates_megatron_specs(megatron_cpu):
+    config = tiny_config(moe_expert_gemm_backend="torch", moe_grouped_gemm=True)
+    block = specs.get_gpt_decoder_block_spec(config, False)
+    mlps = [layer.submodules.mlp for layer in block.layer_specs]
+    assert mlps[0].module is MLP
+    assert all(mlp.submodules.experts.module is TorchGroupedMLP for mlp in mlps[1:])
+
+    megatron_moe_spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=NUM_EXPERTS,
+                                                                 moe_grouped_gemm=False)
+    swapped = specs.with_torch_experts(megatron_moe_spec)
+    assert swapped.submodules.mlp.submodules.experts.module is TorchGroupedMLP
+    assert megatron_moe_spec.submodules.mlp.submodules.experts.module is SequentialMLP
+
+
+def test_spec_builder_arguments_are_checked_too():
+    config = tiny_config(moe_expert_gemm_backend="torch", moe_grouped_gemm=True)
+    with pytest.raises(TorchExpertsConfigError, match="use_te_op_fuser=True: the TE operation"):
+        specs.get_gpt_layer_local_spec(config, use_te_op_fuser=True)
+
+
+def test_provider_spec_is_a_block_for_moe_and_a_layer_for_dense_models(megatron_cpu):
+    moe = specs.gpt_transformer_layer_spec(
+        tiny_config(moe_expert_gemm_backend="torch", moe_grouped_gemm=True),
+        use_transformer_engine=False)
+    assert [spec.submodules.mlp.submodules.experts.module for spec in moe.layer_specs[1:]] == \
+        [TorchGroupedMLP, TorchGroupedMLP]
+    dense_config = tiny_config(num_moe_experts=None, moe_ffn_hidden_size=None, moe_layer_freq=1)
+    dense = specs.gpt_transformer_layer_spec(dense_config,
+                                             use_transformer_engine=False)
+    assert isinstance(dense, ModuleSpec) and dense.submodules.mlp.module is MLP
+
+
+def test_top_level_specs_module_re_exports_the_package_functions():
+    path = REPO / "specs" / "gpt_moe.py"
+    module_spec = importlib.util.spec_from_file_location("gpt_moe", path)
+    gpt_moe = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(gpt_moe)
+    for name in gpt_moe.__all__:
+        assert getattr(gpt_moe, name) is getattr(specs, name)
+
+
+# --- Megatron-Core 0.18+ spec forms, fabricated on the installed release ------------------------
+
+
+def partial_moe_layer_spec():
+    """A 0.18-style TransformerLayer spec: mlp = partial(MoELayer, submodules=MoESubmodules(...))
+    whose experts entry is itself a partial, as 0.17+ builds them."""
+    experts = functools.partial(
+        SequentialMLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                linear_fc2=RowParallelLinear))
+    mlp = functools.partial(MoELayer, submodules=MoESubmodules(experts=experts))
+    layer = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=NUM_EXPERTS)
+    return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mlp=mlp))
+
+
+def test_partial_moe_spec_gets_torch_experts_without_touching_the_original(megatron_cpu):
+    layer_spec = partial_moe_layer_spec()
+    original_mlp = layer_spec.submodules.mlp
+    assert _compat.is_moe_mlp_spec(original_mlp)
+
+    swapped = specs.with_torch_experts(layer_spec)
+    mlp = swapped.submodules.mlp
+    assert isinstance(mlp, functools.partial) and mlp.func is MoELayer
+    assert _compat.moe_submodules(mlp).experts == ModuleSpec(module=TorchGroupedMLP)
+    assert original_mlp.keywords["submodules"].experts.func is SequentialMLP
+    assert layer_spec.submodules.mlp is original_mlp
+
+    # The partial builds a working MoE layer (0.18 calls it with config and pg_collection).
+    config = tiny_config(moe_expert_gemm_backend="torch", moe_grouped_gemm=True)
+    layer = mlp(config=config, pg_collection=megatron_cpu)
+    assert isinstance(layer.experts, TorchGroupedMLP)
+    layer.experts.requires_grad_(False)
+    hidden = torch.randn(8, 2, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    out, _ = layer(hidden)
+    out.float().sum().backward()
+    assert out.shape == hidden.shape and torch.isfinite(hidden.grad).all()
+
+
+def test_experts_spec_follows_the_0_18_builder_protocol(megatron_cpu):
+    """0.18+ calls experts(num_local_experts, config, pg_collection=..., name=...)."""
+    config = tiny_config(moe_expert_gemm_backend="torch", moe_grouped_gemm=True)
+    experts = specs.torch_experts_spec()(NUM_EXPERTS, config, pg_collection=megatron_cpu,
+                                         name="decoder.layers.1.mlp.experts")
+    assert isinstance(experts, TorchGroupedMLP)
+    assert experts.linear_fc1.name == "decoder.layers.1.mlp.experts.linear_fc1"
+
+
+def test_dense_layer_specs_pass_through():
+    dense_layer = gpt_layer_specs.get_gpt_layer_local_spec()
+    dense_mlp = dense_layer.submodules.mlp
+    assert not _compat.is_moe_mlp_spec(dense_mlp)
+    assert not _compat.is_moe_mlp_spec(functools.partial(MLP, submodules=dense_mlp.submodules))
+    assert specs.with_torch_experts(dense_layer) is dense_layer
+
+
+def test_layer_spec_arguments_follow_the_builder_signature():
+    """0.17 removed moe_use_legacy_grouped_gemm from the spec builders."""
+    config = tiny_config(moe_expert_gemm_backend="torch", moe_grouped_gemm=True)
+
+    def builder_0_17(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False,
+                     multi_latent_attention=False, normalization=None):
+        pass
+
+    assert _compat.gpt_layer_spec_kwargs(builder_0_17, config, normalization="RMSNorm") == dict(
+        num_experts=NUM_EXPERTS, moe_grouped_gemm=True, qk_layernorm=False,
+        multi_latent_attention=False, normalization="RMSNorm")
+    kwargs_0_16 = _compat.gpt_layer_spec_kwargs(gpt_layer_specs.get_gpt_layer_local_spec, config)
+    assert kwargs_0_16["moe_use_legacy_grouped_gemm"] is False

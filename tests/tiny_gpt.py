@@ -1,0 +1,95 @@
+"""A tiny GPT-MoE on the CPU: config, batch, forward/backward, and the expert-key map between
+SequentialMLP and TorchGroupedMLP/TEGroupedMLP models."""
+
+import contextlib
+import re
+
+import pytest
+import torch
+from megatron.core.models.gpt import GPTModel
+
+from mcore_torch_experts import TorchExpertsTransformerConfig
+
+VOCAB, SEQ, BATCH = 128, 16, 2
+MOE_LAYER_FREQ = [0, 1, 1]  # layer 0 dense, layers 1 and 2 MoE
+MOE_LAYERS = [1, 2]
+NUM_EXPERTS, HIDDEN, MOE_FFN = 4, 64, 32
+
+
+@pytest.fixture
+def megatron_cpu_gpt(megatron_cpu, monkeypatch):
+    """megatron_cpu, plus the one thing a whole GPTModel needs here: attention forks the
+    model-parallel CUDA RNG state around dropout, which nobody seeded (a CPU-only torch has no
+    CUDA generator at all). Here the fork does nothing (dropout is 0). Test setup only; the code
+    under test is not patched."""
+    from megatron.core.tensor_parallel import random
+
+    monkeypatch.setattr(random.get_cuda_rng_tracker(), "fork",
+                        lambda *args, **kwargs: contextlib.nullcontext())
+    return megatron_cpu
+
+
+def tiny_config(**overrides) -> TorchExpertsTransformerConfig:
+    """3 layers (dense, MoE, MoE), hidden 64, 4 SwiGLU experts of width 32, top-2, bf16 weights."""
+    fields = dict(
+        num_layers=len(MOE_LAYER_FREQ), moe_layer_freq=MOE_LAYER_FREQ, hidden_size=HIDDEN,
+        num_attention_heads=4, ffn_hidden_size=128, num_moe_experts=NUM_EXPERTS,
+        moe_ffn_hidden_size=MOE_FFN, moe_router_topk=2, moe_router_dtype="fp32",
+        moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, normalization="RMSNorm", add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
+        use_cpu_initialization=True,
+    )
+    fields.update(overrides)
+    return TorchExpertsTransformerConfig(**fields)
+
+
+def gpt(config, spec, seed=0) -> GPTModel:
+    torch.manual_seed(seed)
+    return GPTModel(config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                    position_embedding_type="rope")
+
+
+def freeze_experts(model) -> None:
+    """The frozen expert base of adapter training."""
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.requires_grad_(False)
+
+
+def batch():
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    causal_mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+    return tokens[:, :-1], positions, causal_mask, tokens[:, 1:]
+
+
+def forward_backward(model):
+    """Logits [B, S, V], per-token loss [B, S], and the gradient of every trainable parameter of
+    the summed loss (the expert weights' input gradients flow into all of them)."""
+    device = next(model.parameters()).device
+    inputs, positions, mask, labels = (tensor.to(device) for tensor in batch())
+    logits = model(inputs, positions, mask).detach()
+    loss = model(inputs, positions, mask, labels=labels)
+    model.zero_grad()
+    loss.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return logits, loss.detach(), grads
+
+
+SEQUENTIAL_EXPERT_KEY = re.compile(r"(.*\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.(\w+)$")
+
+
+def sequential_to_grouped(state_dict) -> dict:
+    """A SequentialMLP model's state dict under TEGroupedMLP's (= TorchGroupedMLP's) keys:
+    `experts.local_experts.{i}.linear_fc{j}.weight` -> `experts.linear_fc{j}.weight{i}`. The
+    per-expert `_extra_state` entries have no counterpart and are dropped."""
+    grouped = {}
+    for key, value in state_dict.items():
+        match = SEQUENTIAL_EXPERT_KEY.match(key)
+        if match is None:
+            grouped[key] = value
+        elif match[4] == "weight":
+            grouped[f"{match[1]}{match[3]}.weight{match[2]}"] = value
+    return grouped
