@@ -1,0 +1,270 @@
+"""What the torchrun workers share: process setup, the global expert weights and their shards,
+MoE layers built from the package's spec, and an FP64 reference of the whole MoE layer.
+
+Every rank builds the same global weights from a seed and installs its own shard, so any rank can
+compute the one-process answer for any token: the reference needs no communication and none of
+the package's code.
+"""
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.nn.functional as F
+
+COLLECTIVE_TIMEOUT = timedelta(seconds=150)  # a stuck collective raises before the launcher's kill
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: gloo, CPU tensors; cuda: NCCL, one GPU per rank")
+    parser.add_argument("--out", required=True, help="folder for one JSON result file per rank")
+    return parser
+
+
+# --- processes ---------------------------------------------------------------------------------
+
+
+def patch_megatron_without_te() -> None:
+    """megatron-core 0.16.1's `moe_utils` refers to `te_general_gemm` even when Transformer Engine
+    is absent (a NameError in the router's forward, on GPUs too): without TE it is None. Test-only,
+    as in tests/conftest.py; the package under test is not patched."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def patch_megatron_for_cpu() -> None:
+    """Test-only adjustments so megatron-core 0.16 runs an MoE layer on a CPU-only host (as in
+    tests/conftest.py `_patch_megatron_for_cpu`); the package under test is not patched.
+
+    - the router and Megatron's communication buffers allocate on `torch.cuda.current_device()`,
+      which fails without CUDA: it answers "cpu";
+    - dist_checkpointing's filesystem writer calls `torch.cuda.synchronize()`: nothing to wait for.
+    """
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+
+
+def init_processes(device: str) -> torch.device:
+    """Join the torchrun world: gloo on the CPU, NCCL with one GPU per local rank on CUDA."""
+    patch_megatron_without_te()
+    if device == "cuda":
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        # no device_id: NCCL communicators are made lazily, not for each of Megatron's groups
+        torch.distributed.init_process_group("nccl", timeout=COLLECTIVE_TIMEOUT)
+        return torch.device("cuda", local_rank)
+    patch_megatron_for_cpu()
+    torch.distributed.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    return torch.device("cpu")
+
+
+def init_parallel(device: str, tp: int = 1, ep: int = 1, etp: int = 1):
+    """(Re)build Megatron's parallel state for this layout; returns its ProcessGroupCollection."""
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                             expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=etp)
+    if device == "cuda":  # needs CUDA; on the CPU the weights are built with CPU initialisation
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(1234)
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def group_ranks(group) -> list:
+    return torch.distributed.get_process_group_ranks(group)
+
+
+def write_result(out_dir: str, result: dict) -> None:
+    """Each rank writes `rank{R}.json`; the launcher compares them."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"rank{torch.distributed.get_rank()}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
+# --- model -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sizes:
+    hidden: int = 32
+    ffn: int = 64
+    experts: int = 8
+    topk: int = 2
+    tokens: int = 16  # per rank, before the dispatcher gathers
+    glu: bool = True
+
+    def activation(self):
+        return F.silu if self.glu else squared_relu
+
+
+def squared_relu(x):
+    return torch.relu(x).pow(2)
+
+
+def moe_config(backend: str, sizes: Sizes, device: str, *, tp=1, ep=1, etp=1, sp=False,
+               dispatcher="allgather", **overrides):
+    """A one-layer MoE config: backend "torch" builds TorchGroupedMLP as the experts,
+    "transformer_engine" (the flag's default) Megatron's SequentialMLP (moe_grouped_gemm=False)."""
+    from mcore_torch_experts import TorchExpertsTransformerConfig
+
+    fields = dict(
+        num_layers=1, hidden_size=sizes.hidden, num_attention_heads=4,
+        num_moe_experts=sizes.experts, moe_ffn_hidden_size=sizes.ffn, ffn_hidden_size=sizes.ffn,
+        moe_router_topk=sizes.topk, moe_token_dispatcher_type=dispatcher,
+        moe_router_dtype="fp32", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        gated_linear_unit=sizes.glu, activation_func=sizes.activation(), add_bias_linear=False,
+        bf16=True, params_dtype=torch.bfloat16, use_cpu_initialization=device == "cpu",
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp, sequence_parallel=sp,
+        moe_grouped_gemm=backend == "torch", moe_expert_gemm_backend=backend,
+    )
+    fields.update(overrides)
+    return TorchExpertsTransformerConfig(**fields)
+
+
+def moe_layer(config, pg, device):
+    """The MoE layer of the package's reference GPT layer spec (experts follow the flag)."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from mcore_torch_experts.specs import get_gpt_layer_local_spec
+
+    torch.manual_seed(0)
+    layer = build_module(get_gpt_layer_local_spec(config).submodules.mlp, config=config,
+                         pg_collection=pg)
+    return layer.to(device)
+
+
+# --- global weights and their shards -----------------------------------------------------------
+
+
+@dataclass
+class GlobalWeights:
+    """router [E, H]; fc1 [E, F*(2 if GLU), H] laid out [gate; up]; fc2 [E, H, F]; all bf16."""
+
+    router: torch.Tensor
+    fc1: torch.Tensor
+    fc2: torch.Tensor
+
+    @classmethod
+    def make(cls, sizes: Sizes, seed: int = 1234) -> "GlobalWeights":
+        g = torch.Generator().manual_seed(seed)
+        e, h, f = sizes.experts, sizes.hidden, sizes.ffn
+        fc1_rows = 2 * f if sizes.glu else f
+        return cls(router=(torch.randn(e, h, generator=g) / h ** 0.5).bfloat16(),
+                   fc1=(torch.randn(e, fc1_rows, h, generator=g) / h ** 0.5).bfloat16(),
+                   fc2=(torch.randn(e, h, f, generator=g) / f ** 0.5).bfloat16())
+
+    def fc1_shard(self, expert: int, etp_rank: int, etp: int, glu: bool) -> torch.Tensor:
+        """Rows of one ETP rank: [gate shard; up shard] for GLU, else the plain row shard."""
+        if not glu:
+            return self.fc1[expert].chunk(etp, dim=0)[etp_rank]
+        gate, up = self.fc1[expert].chunk(2, dim=0)
+        return torch.cat([gate.chunk(etp, dim=0)[etp_rank], up.chunk(etp, dim=0)[etp_rank]])
+
+    def fc2_shard(self, expert: int, etp_rank: int, etp: int) -> torch.Tensor:
+        return self.fc2[expert].chunk(etp, dim=1)[etp_rank]
+
+    def local_shards(self, pg, glu: bool):
+        """[(fc1 shard, fc2 shard)] for this rank's local experts (EP rank, ETP rank of `pg`)."""
+        ep, ep_rank = pg.ep.size(), pg.ep.rank()
+        etp, etp_rank = pg.expt_tp.size(), pg.expt_tp.rank()
+        local = self.fc1.shape[0] // ep
+        return [(self.fc1_shard(e, etp_rank, etp, glu), self.fc2_shard(e, etp_rank, etp))
+                for e in range(ep_rank * local, (ep_rank + 1) * local)]
+
+
+def expert_weight_params(experts):
+    """[(fc1 weight, fc2 weight)] per local expert, TorchGroupedMLP or SequentialMLP."""
+    if hasattr(experts, "local_experts"):
+        return [(e.linear_fc1.weight, e.linear_fc2.weight) for e in experts.local_experts]
+    return [(getattr(experts.linear_fc1, f"weight{i}"), getattr(experts.linear_fc2, f"weight{i}"))
+            for i in range(experts.num_local_experts)]
+
+
+@torch.no_grad()
+def install(layer, weights: GlobalWeights, pg, glu: bool) -> None:
+    """Router weights everywhere, this rank's expert shards into its experts; freeze experts."""
+    layer.router.weight.copy_(weights.router)
+    for (fc1, fc2), (fc1_shard, fc2_shard) in zip(expert_weight_params(layer.experts),
+                                                  weights.local_shards(pg, glu)):
+        fc1.copy_(fc1_shard)
+        fc2.copy_(fc2_shard)
+    for p in layer.experts.parameters():
+        p.requires_grad_(False)  # the frozen expert base of adapter training
+
+
+# --- the one-process reference -----------------------------------------------------------------
+
+
+def routing(x: torch.Tensor, weights: GlobalWeights, topk: int):
+    """Top-k experts by FP64 logits, softmax over the chosen k (Megatron's default routing)."""
+    logits = x.double() @ weights.router.double().T
+    top, idx = logits.topk(topk, dim=-1)
+    return idx, top.softmax(dim=-1)
+
+
+def reference_moe(x: torch.Tensor, grad_out: torch.Tensor, weights: GlobalWeights, sizes: Sizes):
+    """FP64 output and input gradient of the whole MoE layer (router included), all experts in
+    one process: x, grad_out [..., H] -> (out, grad_x), both float64 of x's shape."""
+    x64 = x.detach().reshape(-1, sizes.hidden).double().requires_grad_(True)
+    idx, probs = routing(x64, weights, sizes.topk)
+    out = torch.zeros_like(x64)
+    for e in range(sizes.experts):
+        token, slot = (idx == e).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        h = x64[token] @ weights.fc1[e].double().T
+        if sizes.glu:
+            gate, up = h.chunk(2, dim=-1)
+            h = sizes.activation()(gate) * up
+        else:
+            h = sizes.activation()(h)
+        y = (h @ weights.fc2[e].double().T) * probs[token, slot].unsqueeze(-1)
+        out = out.index_add(0, token, y)
+    out.backward(grad_out.reshape(-1, sizes.hidden).double())
+    return out.detach().reshape(x.shape), x64.grad.reshape(x.shape)
+
+
+def parity_table(ranks: list) -> str:
+    """One line per (layout, dispatcher, case): the worst relative L2 error over ranks."""
+    columns = ("out_vs_sequential", "grad_vs_sequential", "out_vs_reference", "grad_vs_reference")
+    worst = {}
+    for rank in ranks:
+        for row in rank["parity"]:
+            line = worst.setdefault((rank["layout"], row["dispatcher"], row["case"]),
+                                    dict.fromkeys(columns, 0.0))
+            for name in columns:
+                line[name] = max(line[name], row[name])
+    lines = [f"{'layout':<16} {'dispatcher':<10} {'case':<13} {'out/seq':>9} {'grad/seq':>9} "
+             f"{'out/ref':>9} {'grad/ref':>9}   max relative L2 error over ranks"]
+    lines += [f"{layout:<16} {dispatcher:<10} {case:<13} "
+              + " ".join(f"{line[name]:9.2e}" for name in columns)
+              for (layout, dispatcher, case), line in worst.items()]
+    skipped = {(rank["layout"], skip["dispatcher"], skip["reason"])
+               for rank in ranks for skip in rank["skipped"]}
+    lines += [f"{layout:<16} {dispatcher:<10} skipped: {reason}"
+              for layout, dispatcher, reason in sorted(skipped)]
+    return "\n".join(lines)
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.detach().double().cpu(), expected.detach().double().cpu()
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def global_inputs(world: int, sizes: Sizes, seed: int):
+    """Every rank's layer input and output gradient [tokens, 1, H] (bf16), the same on all ranks."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (world, sizes.tokens, 1, sizes.hidden)
+    return torch.randn(shape, generator=g).bfloat16(), torch.randn(shape, generator=g).bfloat16()

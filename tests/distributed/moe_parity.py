@@ -1,0 +1,208 @@
+"""torchrun worker: one parallel layout, a full Megatron MoE layer with TorchGroupedMLP experts.
+
+For each dispatcher and activation it checks, on every rank, that the layer's output and input
+gradient match the same layer with SequentialMLP experts and an FP64 one-process reference holding
+all global experts; that the experts received exactly the tokens routed to them from every rank the
+dispatcher gathers from; and that the frozen weights are untouched. Then it checks that invalid
+shapes for this layout fail with the same message on every rank. Each rank writes
+`OUT/rank{R}.json`; rank 0 prints a parity table; the exit status is non-zero on any failure.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 \
+        tests/distributed/moe_parity.py --ep 2 --out /tmp/ep2 [--device cuda]
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from _common import (GlobalWeights, Sizes, base_parser, expert_weight_params, global_inputs,
+                     group_ranks, init_parallel, init_processes, install, moe_config, moe_layer,
+                     parity_table, reference_moe, rel_err, routing, write_result)
+
+CASES = {"swiglu": Sizes(glu=True), "squared_relu": Sizes(glu=False)}
+# Relative L2 errors. The layer runs in bf16 (inputs, weights, expert outputs); the FP64 reference
+# sees the same bf16 weights and inputs. SequentialMLP does the same math with per-expert GEMMs:
+# on the CPU with the same eager ops (near bit-equal); on CUDA TorchGroupedMLP's fused activation
+# rounds once where Megatron's ops round per op (about 6e-3 measured on H200).
+TOLERANCE = {"reference": 2e-2, "sequential": {"cpu": 1e-3, "cuda": 2e-2}}
+CPU_ONLY_REASON = ("megatron-core 0.16's alltoall dispatcher needs CUDA streams "
+                   "(MoEAlltoAllTokenDispatcher creates torch.cuda.Stream()); "
+                   "scripts/gpu_distributed.sh runs it on GPUs")
+
+
+def run_layer(layer, x, grad_out, seen, key):
+    """Forward and backward of the MoE layer; records the experts' tokens_per_expert under key."""
+    hook = layer.experts.register_forward_pre_hook(
+        lambda module, inputs: seen.__setitem__(key, [int(n) for n in inputs[1].tolist()]))
+    x = x.detach().clone().requires_grad_(True)
+    out, bias = layer(x)
+    out.backward(grad_out)
+    hook.remove()
+    assert bias is None
+    return out.detach(), x.grad
+
+
+def expected_tokens_per_expert(pg, xs, weights, sizes):
+    """Tokens routed to this rank's experts from every rank its dispatcher gathers from."""
+    local = sizes.experts // pg.ep.size()
+    first = pg.ep.rank() * local
+    counts = torch.zeros(sizes.experts, dtype=torch.long)
+    for q in group_ranks(pg.tp_ep):
+        idx, _ = routing(xs[q].reshape(-1, sizes.hidden), weights, sizes.topk)
+        counts += torch.bincount(idx.flatten(), minlength=sizes.experts)
+    return counts[first:first + local].tolist()
+
+
+def parity(args, pg, device, dispatcher, case, sizes):
+    from mcore_torch_experts import TorchGroupedMLP
+
+    weights = GlobalWeights.make(sizes)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    xs, grads = global_inputs(world, sizes, seed=7)
+    x, grad_out = xs[rank].to(device), grads[rank].to(device)
+    results, seen, untouched = {}, {}, True
+    for backend in ("torch", "transformer_engine"):
+        config = moe_config(backend, sizes, args.device, tp=args.tp, ep=args.ep, etp=args.etp,
+                            sp=args.sp, dispatcher=dispatcher)
+        layer = moe_layer(config, pg, device)
+        assert isinstance(layer.experts, TorchGroupedMLP) == (backend == "torch")
+        install(layer, weights, pg, sizes.glu)
+        results[backend] = run_layer(layer, x, grad_out, seen, backend)
+        for (fc1, fc2), (fc1_shard, fc2_shard) in zip(expert_weight_params(layer.experts),
+                                                      weights.local_shards(pg, sizes.glu)):
+            untouched &= (torch.equal(fc1.cpu(), fc1_shard) and torch.equal(fc2.cpu(), fc2_shard)
+                          and fc1.grad is None and fc2.grad is None)
+    (out, grad), (seq_out, seq_grad) = results["torch"], results["transformer_engine"]
+    ref_out, ref_grad = reference_moe(x.cpu(), grad_out.cpu(), weights, sizes)
+    return dict(
+        dispatcher=dispatcher, case=case,
+        out_vs_sequential=rel_err(out, seq_out), grad_vs_sequential=rel_err(grad, seq_grad),
+        out_vs_reference=rel_err(out, ref_out), grad_vs_reference=rel_err(grad, ref_grad),
+        tokens_per_expert=seen["torch"], sequential_tokens_per_expert=seen["transformer_engine"],
+        expected_tokens_per_expert=expected_tokens_per_expert(pg, xs, weights, sizes),
+        experts_untouched=bool(untouched),
+    )
+
+
+def dispatcher_unavailable(args, pg, dispatcher):
+    """Why this dispatcher cannot run here, or None. Only a failure to build counts."""
+    if args.device == "cuda" or dispatcher != "alltoall":
+        return None
+    try:
+        moe_layer(moe_config("torch", Sizes(), args.device, tp=args.tp, ep=args.ep, etp=args.etp,
+                             sp=args.sp, dispatcher=dispatcher), pg, "cpu")
+    except Exception as error:  # noqa: BLE001 - recorded as the reason for skipping
+        return f"{CPU_ONLY_REASON} [{type(error).__name__}: {error}]"
+    return None
+
+
+def invalid_shapes(args):
+    """Expert shapes this layout must refuse: {name: (how it is built, config overrides)}.
+
+    "config": TorchExpertsTransformerConfig with this layout's parallel sizes refuses them.
+    "experts": TorchGroupedMLP built directly on this layout's process groups from a config
+    that was never validated and names no expert parallelism: the group sizes must decide.
+    "layer": the MoE layer of the package's spec on this layout's process groups, from a config
+    that names no expert parallelism (and so passes its own checks).
+    """
+    cases = {}
+    if args.etp > 1:
+        misaligned = 8 * (args.etp + 1)  # a multiple of 8 whose per-rank share is not
+        cases["ffn_not_divisible_by_etp/config"] = ("config", dict(moe_ffn_hidden_size=33))
+        cases["ffn_not_divisible_by_etp/experts"] = ("experts", dict(moe_ffn_hidden_size=33))
+        cases["ffn_shard_misaligned/layer"] = ("layer", dict(moe_ffn_hidden_size=misaligned))
+    if args.ep > 1:
+        experts = dict(num_moe_experts=2 * args.ep + 1)
+        cases["experts_not_divisible_by_ep/config"] = ("config", experts)
+        cases["experts_not_divisible_by_ep/experts"] = ("experts", experts)
+    return cases
+
+
+def validation_errors(args, pg, device):
+    """{case: "ExceptionType: message"} (None if nothing was raised) for this rank."""
+    from mcore_torch_experts import TorchGroupedMLP
+
+    messages = {}
+    for name, (how, overrides) in invalid_shapes(args).items():
+        parallel = dict(tp=args.tp, sp=args.sp)
+        if how == "config":
+            parallel.update(ep=args.ep, etp=args.etp)
+        # the flag's default backend skips the config-time checks of the torch backend
+        backend = "transformer_engine" if how == "experts" else "torch"
+        try:
+            config = moe_config(backend, Sizes(), args.device, **parallel,
+                                **{"moe_grouped_gemm": True, **overrides})
+            if how == "layer":
+                moe_layer(config, pg, device)
+            elif how == "experts":
+                TorchGroupedMLP(config.num_moe_experts // args.ep, config, pg_collection=pg)
+            messages[name] = None
+        except Exception as error:  # noqa: BLE001 - the message is the result
+            messages[name] = f"{type(error).__name__}: {error}"
+    return messages
+
+
+def failures(args, result):
+    problems = []
+    for row in result["parity"]:
+        label = f"rank {result['rank']} {row['dispatcher']}/{row['case']}"
+        for name, limit in (("out_vs_reference", TOLERANCE["reference"]),
+                            ("grad_vs_reference", TOLERANCE["reference"]),
+                            ("out_vs_sequential", TOLERANCE["sequential"][args.device]),
+                            ("grad_vs_sequential", TOLERANCE["sequential"][args.device])):
+            if not row[name] <= limit:
+                problems.append(f"{label}: {name}={row[name]:.3e} > {limit}")
+        if not (row["tokens_per_expert"] == row["sequential_tokens_per_expert"]
+                == row["expected_tokens_per_expert"]):
+            problems.append(f"{label}: tokens per expert {row['tokens_per_expert']} (SequentialMLP "
+                            f"{row['sequential_tokens_per_expert']}), expected "
+                            f"{row['expected_tokens_per_expert']}")
+        if not row["experts_untouched"]:
+            problems.append(f"{label}: expert weights changed or got a gradient")
+    for name, message in result["errors"].items():
+        if message is None:
+            problems.append(f"rank {result['rank']} {name}: built without an error")
+    return problems
+
+
+def main():
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--etp", type=int, default=1)
+    parser.add_argument("--sp", action="store_true", help="sequence parallel (needs --tp > 1)")
+    parser.add_argument("--dispatchers", default="allgather,alltoall")
+    args = parser.parse_args()
+    layout = f"tp{args.tp}{'+sp' if args.sp else ''} ep{args.ep} etp{args.etp}"
+
+    device = init_processes(args.device)
+    pg = init_parallel(args.device, tp=args.tp, ep=args.ep, etp=args.etp)
+    result = dict(rank=dist.get_rank(), layout=layout, world=dist.get_world_size(), parity=[],
+                  skipped=[])
+    for dispatcher in args.dispatchers.split(","):
+        reason = dispatcher_unavailable(args, pg, dispatcher)
+        if reason:
+            result["skipped"].append(dict(dispatcher=dispatcher, reason=reason))
+            continue
+        for case, sizes in CASES.items():
+            result["parity"].append(parity(args, pg, device, dispatcher, case, sizes))
+    result["errors"] = validation_errors(args, pg, device)
+    write_result(args.out, result)
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    problems = [p for r in gathered for p in failures(args, r)]
+    messages = [r["errors"] for r in gathered]
+    if any(m != messages[0] for m in messages):
+        problems.append(f"validation messages differ between ranks: {messages}")
+    if dist.get_rank() == 0:
+        print(parity_table(gathered))
+        print("\n".join(["FAILED:", *problems]) if problems else f"{layout}: all checks passed",
+              flush=True)
+    dist.destroy_process_group()
+    sys.exit(1 if problems else 0)
+
+
+if __name__ == "__main__":
+    main()
