@@ -2,8 +2,8 @@
 
 megatron-core 0.16.1 refers to `te_general_gemm` in the router even without Transformer Engine
 (on the GPU too): it is defined as None here when TE is absent. On a machine without CUDA, the
-router's `torch.cuda.current_device()` answers "cpu" and attention dropout's CUDA RNG-tracker
-fork is a no-op, so the examples build and run a real MoE layer or GPTModel (pass an explicit
+router's `torch.cuda.current_device()` answers "cpu", and attention dropout's CUDA RNG-tracker
+fork and the checkpoint's CUDA RNG save/restore are no-ops, so the examples build and run a real MoE layer or GPTModel (pass an explicit
 attention mask: Megatron's default causal mask is made on CUDA).
 """
 
@@ -44,6 +44,12 @@ def _define_te_general_gemm_without_te() -> None:
 
 def _adapt_megatron_to_cpu() -> None:
     torch.cuda.current_device = lambda: "cpu"
+    # The re-entrant checkpoint saves and restores the CUDA RNG state, which a CPU-only torch
+    # lacks (the CPU RNG is still restored).
+    from megatron.core.tensor_parallel import random
+
+    random._get_cuda_rng_state = lambda *args, **kwargs: None
+    random._set_cuda_rng_state = lambda *args, **kwargs: None
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()

@@ -10,23 +10,33 @@ from .config import (
 from .convert import ConversionSummary, convert_experts_to_torch
 from .experts import TorchGroupedLinear, TorchGroupedMLP
 from .grouped_gemm import find_grouped_mm, frozen_grouped_linear, group_offsets
+from .lora import LoRALinear, apply_lora, load_lora_state_dict, lora_parameters, lora_state_dict
+from .model import build_gpt_model
 from .moe_layer import FP32CombineMoELayer
+from .recompute import install_frozen_input_guard
 
 __all__ = [
     "CHUNK_ROWS_ENV",
     "ConversionSummary",
     "DEFAULT_CHUNK_ROWS",
     "FP32CombineMoELayer",
+    "LoRALinear",
     "TorchExpertsConfigError",
     "TorchExpertsTransformerConfig",
     "TorchGroupedLinear",
     "TorchGroupedMLP",
+    "apply_lora",
+    "build_gpt_model",
     "chunk_rows_from_env",
     "convert_experts_to_torch",
     "find_grouped_mm",
     "fp32_combine",
     "frozen_grouped_linear",
     "group_offsets",
+    "install_frozen_input_guard",
+    "load_lora_state_dict",
+    "lora_parameters",
+    "lora_state_dict",
     "validate_fp32_combine_config",
     "validate_torch_experts_config",
 ]

@@ -13,6 +13,7 @@ import torch
 from . import _compat
 from .config import validate_torch_experts_config
 from .experts import TorchGroupedMLP
+from .recompute import install_frozen_input_guard
 
 
 @dataclass
@@ -24,6 +25,8 @@ class ConversionSummary:
     """Bytes of expert weights now held in TorchGroupedMLP's packed buffers."""
     names: List[str] = field(default_factory=list)
     """Qualified names of the replaced experts modules (`decoder.layers.1.mlp.experts`, ...)."""
+    blocks_guarded: int = 0
+    """Transformer blocks given the frozen-input guard (install_frozen_input_guard)."""
 
 
 def convert_experts_to_torch(
@@ -42,7 +45,8 @@ def convert_experts_to_torch(
     `moe_grouped_gemm` need not be set, the conversion is what makes the experts grouped. Each new
     module is built on the old weights' device in their dtype without initialisation, filled
     expert by expert, and the old module dropped before the next one is built: at most one
-    layer's experts exist twice. Hooks on the old modules do not carry over.
+    layer's experts exist twice. Hooks on the old modules do not carry over. Finally the
+    frozen-input guard is installed, so adapters train under full recompute.
     """
     root = torch.nn.ModuleList(model) if isinstance(model, (list, tuple)) else model
     names = _validated_targets(root)
@@ -56,6 +60,7 @@ def convert_experts_to_torch(
         summary.bytes_packed += sum(linear.packed_weight.nbytes
                                     for linear in (new.linear_fc1, new.linear_fc2))
         summary.names.append(name)
+    summary.blocks_guarded = install_frozen_input_guard(root)
     return summary
 
 

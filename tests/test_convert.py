@@ -60,7 +60,8 @@ def test_conversion_keeps_outputs_weights_and_sharded_keys(megatron_cpu_gpt):
     summary = convert_experts_to_torch(model)
 
     assert summary == ConversionSummary(modules_converted=2, bytes_packed=2 * BYTES_PER_LAYER,
-                                        names=EXPERTS)
+                                        names=EXPERTS, blocks_guarded=1)
+    assert model.decoder.forward.__func__.__name__ == "_guarded_forward"  # the frozen-input guard
     for name, config in zip(EXPERTS, old_configs):
         experts = model.get_submodule(name)
         assert isinstance(experts, TorchGroupedMLP) and experts.linear_fc1.name == f"{name}.linear_fc1"
@@ -96,7 +97,7 @@ def test_model_chunks_and_a_second_conversion(megatron_cpu_gpt):
     model = sequential_mlp_model()
     summary = convert_experts_to_torch([model])  # Megatron-LM and Bridge hand over chunk lists
     assert summary.names == [f"0.{name}" for name in EXPERTS]
-    assert convert_experts_to_torch(model) == ConversionSummary()
+    assert convert_experts_to_torch(model) == ConversionSummary(blocks_guarded=1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="TEGroupedMLP runs on CUDA only")

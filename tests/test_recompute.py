@@ -1,0 +1,141 @@
+"""LoRA adapters on a frozen GPT-MoE train under full recompute once the frozen-input guard is in.
+
+Re-entrant checkpointing gives its outputs a gradient only if an input tensor requires grad; a
+frozen embedding's output does not. Without the guard, "uniform" recompute trains nothing and
+"block" recompute silently skips the adapters of its checkpointed layers.
+"""
+
+import contextlib
+
+import pytest
+import torch
+from megatron.core.models.gpt import GPTModel
+
+from mcore_torch_experts import TorchExpertsTransformerConfig
+from mcore_torch_experts.lora import apply_lora, lora_parameters
+from mcore_torch_experts.model import build_gpt_model
+from mcore_torch_experts.recompute import install_frozen_input_guard
+from mcore_torch_experts.specs import get_gpt_decoder_block_spec
+
+NUM_LAYERS, RECOMPUTE_NUM_LAYERS = 4, 2  # block: layers 0-1 checkpointed, 2-3 plain
+VOCAB, SEQ, BATCH = 128, 16, 2
+TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+
+
+@pytest.fixture
+def megatron_cpu_training(megatron_cpu, monkeypatch):
+    """megatron_cpu, plus what training a whole GPTModel under full recompute needs on a CPU-only
+    torch, which has no CUDA generator (`torch.cuda.get_rng_state` raises): attention forks the
+    model-parallel CUDA RNG around dropout, and the re-entrant checkpoint saves and restores the
+    CUDA RNG state. Here those calls do nothing; dropout (0 here) would draw from the CPU
+    generator, which the checkpoint still saves and restores. Test setup only; the code under
+    test is not patched."""
+    if not torch.cuda.is_available():
+        from megatron.core.tensor_parallel import random
+
+        monkeypatch.setattr(random, "_get_cuda_rng_state", lambda *args, **kwargs: None)
+        monkeypatch.setattr(random, "_set_cuda_rng_state", lambda *args, **kwargs: None)
+        monkeypatch.setattr(random.get_cuda_rng_tracker(), "fork",
+                            lambda *args, **kwargs: contextlib.nullcontext())
+    return megatron_cpu
+
+
+def make_config(recompute_method=None) -> TorchExpertsTransformerConfig:
+    recompute = dict(recompute_granularity="full", recompute_method=recompute_method,
+                     recompute_num_layers=RECOMPUTE_NUM_LAYERS) if recompute_method else {}
+    return TorchExpertsTransformerConfig(
+        num_layers=NUM_LAYERS, hidden_size=64, num_attention_heads=4, num_moe_experts=4,
+        moe_ffn_hidden_size=64, ffn_hidden_size=64, moe_router_topk=2, moe_grouped_gemm=True,
+        moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
+        use_cpu_initialization=True, moe_expert_gemm_backend="torch", **recompute)
+
+
+def build(recompute_method=None, guard=True, lora=True, expert_adapter="shared"):
+    """The same frozen GPT-MoE every time (seeded), with LoRA adapters whose B is non-zero: B
+    starts at zero, which would leave every A without gradient at step 0."""
+    torch.manual_seed(0)
+    config = make_config(recompute_method)
+    if guard:
+        model = build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=SEQ)
+    else:  # Megatron's own path: no guard anywhere
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
+                         max_sequence_length=SEQ)
+    if lora:
+        apply_lora(model, TARGETS, rank=8, alpha=16, expert_adapter=expert_adapter)
+        with torch.no_grad():
+            for name, p in lora_parameters(model).items():
+                if name.endswith("linear_out.weight"):
+                    p.normal_(std=0.1)
+    else:
+        model.requires_grad_(False)
+    return model
+
+
+def batch(decoder_input=None):
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    return dict(input_ids=tokens, position_ids=torch.arange(SEQ).expand(BATCH, SEQ),
+                attention_mask=torch.ones(1, 1, SEQ, SEQ).triu(1).bool(),
+                labels=torch.roll(tokens, -1, dims=1), decoder_input=decoder_input)
+
+
+def adapter_grads(model):
+    """{adapter key: gradient or None} after one forward and backward of the LM loss."""
+    loss = model(**batch()).mean()
+    if loss.requires_grad:
+        loss.backward()
+    return {name: p.grad for name, p in lora_parameters(model).items()}
+
+
+def layer_of(name: str) -> int:
+    return int(name.split("decoder.layers.")[1].split(".")[0])
+
+
+@pytest.mark.parametrize("expert_adapter", ["shared", "per_expert"])
+@pytest.mark.parametrize("method", ["uniform", "block"])
+def test_adapter_gradients_under_full_recompute_match_no_recompute(megatron_cpu_training, method,
+                                                                    expert_adapter):
+    expected = adapter_grads(build(None, expert_adapter=expert_adapter))
+    grads = adapter_grads(build(method, expert_adapter=expert_adapter))
+
+    assert grads.keys() == expected.keys() and len(grads) == NUM_LAYERS * 2 * len(TARGETS)
+    for name, grad in grads.items():
+        assert grad is not None and grad.abs().sum() > 0, f"{name} got no gradient"
+        torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_without_guard_uniform_recompute_trains_nothing(megatron_cpu_training):
+    model = build("uniform", guard=False)
+    loss = model(**batch()).mean()
+    assert not loss.requires_grad  # every checkpointed chunk is detached from the adapters
+
+
+def test_without_guard_block_recompute_skips_the_checkpointed_layers(megatron_cpu_training):
+    grads = adapter_grads(build("block", guard=False))
+    starved = {name for name, g in grads.items() if g is None}
+    assert starved == {name for name in grads if layer_of(name) < RECOMPUTE_NUM_LAYERS}
+
+
+def test_install_is_idempotent_and_counts_blocks(megatron_cpu_training):
+    model = build("uniform")  # build_gpt_model installed it already
+    guarded_forward = model.decoder.forward
+    assert install_frozen_input_guard(model) == 1
+    assert install_frozen_input_guard(model) == 1
+    assert model.decoder.forward == guarded_forward
+    assert all(g is not None for g in adapter_grads(model).values())
+
+
+def test_guard_leaves_a_model_with_nothing_trainable_alone(megatron_cpu_training):
+    model = build("uniform", lora=False)
+    assert not model(**batch()).requires_grad
+
+
+def test_guard_keeps_an_input_that_already_requires_grad(megatron_cpu_training):
+    model = build("uniform")
+    decoder_input = model.embedding(batch()["input_ids"], batch()["position_ids"])
+    decoder_input = decoder_input.detach().requires_grad_(True)
+    model(**batch(decoder_input)).mean().backward()
+    assert decoder_input.grad is not None and decoder_input.grad.abs().sum() > 0
