@@ -41,7 +41,7 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from cpu_support import init_single_process_megatron
+from cpu_support import describe_layers, frozen_experts_step, init_single_process_megatron
 from mcore_torch_experts import TorchExpertsTransformerConfig
 from mcore_torch_experts.specs import gpt_transformer_layer_spec
 
@@ -83,21 +83,11 @@ def main():
 
     torch.manual_seed(0)
     model = provider.provide().to("cpu" if on_cpu else "cuda")
-    for name, param in model.named_parameters():  # the frozen expert base of adapter training
-        if ".mlp.experts." in name:
-            param.requires_grad_(False)
     device = next(model.parameters()).device
-    tokens = torch.randint(0, provider.vocab_size, (2, provider.seq_length + 1), device=device)
-    positions = torch.arange(provider.seq_length, device=device).expand(2, -1)
-    causal_mask = torch.ones(1, 1, provider.seq_length, provider.seq_length, dtype=torch.bool,
-                             device=device).triu(1)
-    loss = model(tokens[:, :-1], positions, causal_mask, labels=tokens[:, 1:]).float().mean()
-    loss.backward()
-    layers = ", ".join(f"{i}: {type(layer.mlp.experts).__name__}" if hasattr(layer.mlp, "experts")
-                       else f"{i}: dense {type(layer.mlp).__name__}"
-                       for i, layer in enumerate(model.decoder.layers))
+    loss = frozen_experts_step(model, provider.vocab_size, provider.seq_length)
+    layers = describe_layers(model)
     print(f"bridge_style_provider (model_overrides {MODEL_OVERRIDES}): layers [{layers}]; "
-          f"loss {loss.item():.3f} on {device}")
+          f"loss {loss:.3f} on {device}")
 
 
 if __name__ == "__main__":

@@ -53,3 +53,26 @@ def _adapt_megatron_to_cpu() -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+
+
+def frozen_experts_step(model, vocab_size: int, seq_length: int, batch: int = 2) -> float:
+    """Freeze the expert base (as adapter training does), run one forward/backward of random
+    tokens through a GPTModel with an explicit causal mask, and return the loss."""
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.requires_grad_(False)
+    device = next(model.parameters()).device
+    tokens = torch.randint(0, vocab_size, (batch, seq_length + 1), device=device)
+    positions = torch.arange(seq_length, device=device).expand(batch, -1)
+    causal_mask = torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool,
+                             device=device).triu(1)
+    loss = model(tokens[:, :-1], positions, causal_mask, labels=tokens[:, 1:]).float().mean()
+    loss.backward()
+    return loss.item()
+
+
+def describe_layers(model) -> str:
+    """'0: dense MLP, 1: TorchGroupedMLP, ...' for a GPTModel's decoder layers."""
+    return ", ".join(f"{i}: {type(layer.mlp.experts).__name__}" if hasattr(layer.mlp, "experts")
+                     else f"{i}: dense {type(layer.mlp).__name__}"
+                     for i, layer in enumerate(model.decoder.layers))

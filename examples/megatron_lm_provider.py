@@ -16,7 +16,7 @@ import json
 import torch
 from megatron.core.models.gpt import GPTModel
 
-from cpu_support import init_single_process_megatron
+from cpu_support import describe_layers, frozen_experts_step, init_single_process_megatron
 from mcore_torch_experts import TorchExpertsTransformerConfig
 from mcore_torch_experts.config import BACKENDS
 from mcore_torch_experts.specs import gpt_transformer_layer_spec
@@ -61,12 +61,6 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None) -> GPTMod
                     position_embedding_type="rope", vp_stage=vp_stage)
 
 
-def layer_summary(model: GPTModel) -> str:
-    return ", ".join(f"{i}: {type(layer.mlp.experts).__name__}" if hasattr(layer.mlp, "experts")
-                     else f"{i}: dense {type(layer.mlp).__name__}"
-                     for i, layer in enumerate(model.decoder.layers))
-
-
 def main():
     global _ARGS
     parser = add_torch_experts_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
@@ -86,18 +80,9 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     model = model_provider().to(device)
-    for name, param in model.named_parameters():  # the frozen expert base of adapter training
-        if ".mlp.experts." in name:
-            param.requires_grad_(False)
-
-    tokens = torch.randint(0, args.padded_vocab_size, (2, args.seq_length + 1), device=device)
-    positions = torch.arange(args.seq_length, device=device).expand(2, -1)
-    causal_mask = torch.ones(1, 1, args.seq_length, args.seq_length, dtype=torch.bool,
-                             device=device).triu(1)
-    loss = model(tokens[:, :-1], positions, causal_mask, labels=tokens[:, 1:]).float().mean()
-    loss.backward()
+    loss = frozen_experts_step(model, args.padded_vocab_size, args.seq_length)
     print(f"megatron_lm_provider (--moe-expert-gemm-backend {args.moe_expert_gemm_backend}): "
-          f"layers [{layer_summary(model)}]; loss {loss.item():.3f} on {device}")
+          f"layers [{describe_layers(model)}]; loss {loss:.3f} on {device}")
 
 
 if __name__ == "__main__":

@@ -43,13 +43,19 @@ def _act_and_slope(x, ACT: tl.constexpr):
 
 
 @triton.jit
-def _forward_kernel(h_ptr, p_ptr, out_ptr, rows, width, h_stride, out_stride, offset,
-                    ACT: tl.constexpr, GLU: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_C: tl.constexpr):
+def _tile(rows, width, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's row and column indices, and which of them are in range."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_ok = r < rows
-    mask = row_ok[:, None] & (c[None, :] < width)
+    return r, c, row_ok, row_ok[:, None] & (c[None, :] < width)
+
+
+@triton.jit
+def _forward_kernel(h_ptr, p_ptr, out_ptr, rows, width, h_stride, out_stride, offset,
+                    ACT: tl.constexpr, GLU: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_C: tl.constexpr):
+    r, c, row_ok, mask = _tile(rows, width, BLOCK_R, BLOCK_C)
     h_row = h_ptr + r.to(tl.int64)[:, None] * h_stride
     a, _ = _act_and_slope(tl.load(h_row + c[None, :], mask=mask, other=0.0).to(tl.float32), ACT)
     if GLU:
@@ -63,10 +69,7 @@ def _forward_kernel(h_ptr, p_ptr, out_ptr, rows, width, h_stride, out_stride, of
 def _backward_kernel(g_ptr, h_ptr, p_ptr, dh_ptr, rows, width, g_stride, h_stride, offset,
                      ACT: tl.constexpr, GLU: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_C: tl.constexpr):
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    row_ok = r < rows
-    mask = row_ok[:, None] & (c[None, :] < width)
+    r, c, row_ok, mask = _tile(rows, width, BLOCK_R, BLOCK_C)
     p = tl.load(p_ptr + r, mask=row_ok, other=0.0).to(tl.float32)
     g_row = g_ptr + r.to(tl.int64)[:, None] * g_stride
     g = tl.load(g_row + c[None, :], mask=mask, other=0.0).to(tl.float32) * p[:, None]
