@@ -56,14 +56,17 @@ def test_top_k_sum_is_rounded_once(megatron_cpu, monkeypatch, dispatcher, chunk_
     monkeypatch.setattr(moe_layer_module, "fp32_combine",
                         lambda *a, **k: calls.append(k) or fp32_combine(*a, **k))
 
-    x = torch.randn(TOKENS, 1, HIDDEN).bfloat16()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ours.to(device)
+    megatron.to(device)
+    x = torch.randn(TOKENS, 1, HIDDEN, device=device).bfloat16()
     x_ours = x.clone().requires_grad_(True)
     x_theirs = x.clone().requires_grad_(True)
     out, _ = ours(x_ours)
     out_megatron, _ = megatron(x_theirs)
 
     assert calls == [dict(chunk_rows=chunk_rows, backend="torch")]
-    exact = torch.zeros(TOKENS, HIDDEN, dtype=torch.float64)
+    exact = torch.zeros(TOKENS, HIDDEN, dtype=torch.float64, device=device)
     exact.index_add_(0, seen["token_ids"], seen["rows"].double())
     ours_err = (out.view(TOKENS, HIDDEN).double() - exact).abs()
     bf16_err = (out_megatron.view(TOKENS, HIDDEN).double() - exact).abs()
