@@ -9,17 +9,24 @@ attention mask: Megatron's default causal mask is made on CUDA).
 
 import contextlib
 import os
+import socket
 
 import torch
 
 
-def init_single_process_megatron(port: int = 29512) -> None:
-    """One gloo process with Megatron's parallel state (every parallel size 1)."""
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def init_single_process_megatron() -> None:
+    """One process (gloo, or NCCL with a GPU) with Megatron's parallel state (every size 1)."""
     from megatron.core import parallel_state
 
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(port))
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         torch.distributed.init_process_group(backend, rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():

@@ -1,5 +1,6 @@
 """The examples run end to end (small sizes), each in its own process."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,9 @@ RUNS = {
 def test_example_runs(name, tmp_path):
     args, expected = RUNS[name]
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    # The test session's own gloo store holds MASTER_PORT: each example picks a free port.
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     result = subprocess.run([sys.executable, "-W", "ignore", f"{name}.py", *args], cwd=EXAMPLES,
-                            capture_output=True, text=True, timeout=600)
+                            env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert expected in result.stdout, result.stdout[-3000:]
