@@ -88,13 +88,18 @@ class TorchGroupedLinear(torch.nn.Module):
     def expert_weights(self) -> List[torch.nn.Parameter]:
         return [self._parameters[name] for name in self._weight_names]
 
-    def packed(self) -> torch.Tensor:
-        """The packed weight [E, out, in], repacked first if any `weightN` was replaced."""
+    def packed(self, refuse_trainable: bool = False) -> torch.Tensor:
+        """The packed weight [E, out, in], repacked first if any `weightN` was replaced; with
+        `refuse_trainable`, a `weightN` that requires grad is an error (one walk over E)."""
         packed = self.packed_weight
         stride = packed.stride(0) * packed.element_size()
         base = packed.data_ptr()
-        stale = [i for i, w in enumerate(self.expert_weights())
-                 if w.data_ptr() != base + i * stride or w.dtype != packed.dtype]
+        stale = []
+        for i, w in enumerate(self.expert_weights()):
+            if refuse_trainable and w.requires_grad:
+                raise RuntimeError(TRAINABLE_BASE_ERROR.format(name=self.name, param=f"weight{i}"))
+            if w.data_ptr() != base + i * stride or w.dtype != packed.dtype:
+                stale.append(i)
         if stale:
             self._repack(stale)
         return self.packed_weight
@@ -141,11 +146,7 @@ class TorchGroupedLinear(torch.nn.Module):
             state_dict.pop(f"{prefix}_extra_state{i}", None)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: Splits):
-        weight = self.packed()
-        if torch.is_grad_enabled():
-            for i, w in enumerate(self.expert_weights()):
-                if w.requires_grad:
-                    raise RuntimeError(TRAINABLE_BASE_ERROR.format(name=self.name, param=f"weight{i}"))
+        weight = self.packed(refuse_trainable=torch.is_grad_enabled())
         if x.dim() != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"{self.name} expects input [T, {self.in_features}], got {list(x.shape)}")
         if x.dtype != weight.dtype:
