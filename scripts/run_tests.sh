@@ -1,6 +1,47 @@
 #!/usr/bin/env bash
-# The whole test suite (unit, distributed under torchrun, CPU benchmark smoke tests).
-set -euo pipefail
+# The whole test suite (unit, distributed under torchrun, CPU benchmark smoke tests), once per
+# megatron-core release the README names: 0.16.1 on Python 3.11; 0.17.1, 0.18.2 and 0.19.2 on
+# Python 3.12 (scripts/legs.sh). Arguments go to pytest.
+#   MCORE_TORCH_EXPERTS_LEGS="0.19.2" bash scripts/run_tests.sh tests/test_experts.py
+# A leg whose Python is missing is skipped with the reason, except under CI (CI=true), where it
+# fails. Ends with one line per leg and the total.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+source scripts/legs.sh
+legs=${MCORE_TORCH_EXPERTS_LEGS:-$LEGS_ALL}
+status=0
+summary=()
+passed=0 failed=0 skipped=0
+for leg in $legs; do
+  start=$SECONDS
+  echo "===== leg: megatron-core $leg, Python $(leg_python_version "$leg") ====="
+  setup_leg "$leg"
+  rc=$?
+  if [ $rc -eq 2 ] && [ "${CI:-}" != true ]; then
+    summary+=("megatron-core $leg: SKIPPED (no Python $(leg_python_version "$leg") interpreter)")
+    continue
+  elif [ $rc -ne 0 ]; then
+    summary+=("megatron-core $leg: FAILED to set up (exit $rc)")
+    status=1
+    continue
+  fi
+  log=$(mktemp)
+  leg_run "$leg" -c "import megatron.core as m, sys, torch; v = m.__version__; print(f'[leg {v}] python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {v} from {m.__file__}'); sys.exit(v != '$leg')" \
+    && leg_run "$leg" -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  line=$(grep -E "^=*\s*[0-9]+ (passed|failed|error)" "$log" | tail -n 1 | sed -E 's/=+//g; s/^ +| +$//g')
+  rm -f "$log"
+  for kind in passed failed skipped; do
+    n=$(grep -oE "[0-9]+ $kind" <<<"$line" | grep -oE "[0-9]+" || true)
+    declare "$kind=$(( ${!kind} + ${n:-0} ))"
+  done
+  n=$(grep -oE "[0-9]+ errors?" <<<"$line" | grep -oE "[0-9]+" || true)
+  failed=$((failed + ${n:-0}))
+  summary+=("megatron-core $leg: ${line:-no summary} (exit $rc, $((SECONDS - start)) s)")
+  [ $rc -eq 0 ] || status=1
+done
+echo
+echo "===== legs ====="
+printf '%s\n' "${summary[@]}"
+echo "total: $passed passed, $failed failed, $skipped skipped"
+exit $status

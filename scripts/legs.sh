@@ -1,0 +1,112 @@
+# Sourced by setup_env.sh, run_tests.sh and run_example.sh: the test legs (one per megatron-core
+# release the README names) and how each one's environment is made.
+#
+#   leg      Python  venv       megatron-core (and Megatron-Bridge) from
+#   0.16.1   3.11    .venv      the venv itself (pip install megatron-core==0.16.1)
+#   0.17.1   3.12    .venv312   .venv312/legs/mcore-0.17.1 (--target, put on PYTHONPATH)
+#   0.18.2   3.12    .venv312   .venv312/legs/mcore-0.18.2
+#   0.19.2   3.12    .venv312   .venv312/legs/mcore-0.19.2, with megatron-bridge 0.6.2
+#
+# torch is 2.13.0 in both venvs. For Python 3.11 pip takes the CPU build from this machine's disk;
+# for Python 3.12 it is PyPI's CUDA build (about 5 GB, runs on the CPU), installed once and reused.
+# pip is never asked for a bare `torch`.
+
+LEGS_ALL="0.16.1 0.17.1 0.18.2 0.19.2"
+TORCH_VERSION=2.13.0
+BRIDGE_VERSION=0.6.2
+# Megatron-Bridge is installed without its dependencies (they include CUDA-only packages); these
+# are the light ones its PEFT and conversion modules import.
+BRIDGE_LIGHT_DEPS="transformers>=5.8,<=5.12.1 omegaconf>=2.3.0 pyyaml tqdm regex six rich"
+
+leg_python_version() {  # leg -> the Python version it runs on
+  case "$1" in
+    0.16.*) echo 3.11 ;;
+    *) echo 3.12 ;;
+  esac
+}
+
+leg_venv() {  # leg -> its venv folder
+  case "$(leg_python_version "$1")" in
+    3.11) echo .venv ;;
+    *) echo .venv312 ;;
+  esac
+}
+
+find_python() {  # X.Y -> path of a pythonX.Y interpreter (PATH first, then pyenv), or nothing
+  local version=$1 candidate root
+  candidate=$(command -v "python$version" 2>/dev/null || true)
+  if [ -n "$candidate" ] && "$candidate" -c "" 2>/dev/null; then
+    echo "$candidate"
+    return
+  fi
+  root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
+  for candidate in "$root"/versions/"$version".*/bin/python"$version"; do
+    if [ -x "$candidate" ]; then
+      echo "$candidate"
+      return
+    fi
+  done
+}
+
+leg_pythonpath() {  # leg -> the folder holding its megatron-core, or nothing (0.16.1: the venv)
+  case "$(leg_python_version "$1")" in
+    3.11) ;;
+    *) echo "$(leg_venv "$1")/legs/mcore-$1" ;;
+  esac
+}
+
+setup_leg() {  # leg -> makes its environment; returns 2 when its interpreter is missing
+  local leg=$1 version venv python target
+  version=$(leg_python_version "$leg")
+  venv=$(leg_venv "$leg")
+  if [ ! -x "$venv/bin/python" ]; then
+    python=$(find_python "$version")
+    if [ -z "$python" ]; then
+      echo "[setup $leg] no Python $version interpreter (looked for python$version on PATH and under pyenv)"
+      return 2
+    fi
+    echo "[setup $leg] creating $venv with $python"
+    "$python" -m venv --system-site-packages "$venv"
+  fi
+  if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
+    echo "[setup $leg] installing torch==$TORCH_VERSION into $venv"
+    "$venv/bin/python" -m pip install -q "torch==$TORCH_VERSION"
+  fi
+  if [ "$version" = 3.11 ]; then
+    echo "[setup $leg] installing mcore_torch_experts, megatron-core==$leg and the test dependencies"
+    "$venv/bin/python" -m pip install -q -e ".[test]" "megatron-core==$leg"
+    return 0
+  fi
+  # Python 3.12: the package and the test dependencies once, megatron-core per leg in its folder.
+  if ! "$venv/bin/python" -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('mcore_torch_experts', 'pytest', 'psutil', 'matplotlib', 'einops')))"; then
+    echo "[setup $leg] installing mcore_torch_experts and the test dependencies into $venv"
+    "$venv/bin/python" -m pip install -q -e ".[test]"
+    # megatron-core comes from the leg's folder only, never from the venv.
+    "$venv/bin/python" -m pip uninstall -q -y megatron-core
+  fi
+  target=$(leg_pythonpath "$leg")
+  if [ ! -f "$target/.complete" ]; then
+    rm -rf "$target"
+    if [ "$leg" = 0.19.2 ]; then
+      # One pip call: both put files under megatron/, and a second --target install would skip it.
+      echo "[setup $leg] installing megatron-core==$leg and megatron-bridge==$BRIDGE_VERSION (no dependencies) into $target"
+      "$venv/bin/python" -m pip install -q --no-deps --target "$target" "megatron-core==$leg" \
+        "megatron-bridge==$BRIDGE_VERSION"
+      echo "[setup $leg] installing Megatron-Bridge's light dependencies into $venv"
+      # shellcheck disable=SC2086
+      "$venv/bin/python" -m pip install -q $BRIDGE_LIGHT_DEPS
+    else
+      echo "[setup $leg] installing megatron-core==$leg into $target"
+      "$venv/bin/python" -m pip install -q --no-deps --target "$target" "megatron-core==$leg"
+    fi
+    touch "$target/.complete"
+  fi
+}
+
+leg_run() {  # leg command... -> runs the command with the leg's python first on the command line
+  local leg=$1 venv path
+  shift
+  venv=$(leg_venv "$leg")
+  path=$(leg_pythonpath "$leg")
+  PYTHONPATH="${path:+$PWD/$path}${PYTHONPATH:+:$PYTHONPATH}" "$venv/bin/python" "$@"
+}
