@@ -8,16 +8,15 @@ import argparse
 import time
 
 import torch
-from megatron.core.transformer.spec_utils import build_module
 
 from cpu_support import init_single_process_megatron
-from mcore_torch_experts import TorchExpertsTransformerConfig, TorchGroupedMLP
+from mcore_torch_experts import TorchExpertsTransformerConfig, TorchGroupedMLP, _compat
 from mcore_torch_experts.specs import get_gpt_layer_local_spec
 
 
 def moe_layer(config):
     """The MoE layer of the reference GPT layer spec for `config`."""
-    return build_module(get_gpt_layer_local_spec(config).submodules.mlp, config=config)
+    return _compat.build_moe_layer(get_gpt_layer_local_spec(config).submodules.mlp, config)
 
 
 def make_config(args, backend):

@@ -24,10 +24,9 @@ from pathlib import Path
 
 import torch
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.spec_utils import build_module
 
 from cpu_support import init_single_process_megatron
-from mcore_torch_experts import TorchExpertsTransformerConfig, TorchGroupedMLP
+from mcore_torch_experts import TorchExpertsTransformerConfig, TorchGroupedMLP, _compat
 from mcore_torch_experts.lora import (
     apply_lora,
     load_lora_state_dict,
@@ -98,8 +97,8 @@ def check_against_sequential_mlp(model, config, device) -> None:
     ours = model.decoder.layers[0].mlp
     reference_config = dataclasses.replace(config, moe_expert_gemm_backend="transformer_engine",
                                            moe_grouped_gemm=False)
-    reference = build_module(get_gpt_layer_local_spec(reference_config).submodules.mlp,
-                             config=reference_config).to(device)
+    reference = _compat.build_moe_layer(get_gpt_layer_local_spec(reference_config).submodules.mlp,
+                                        reference_config).to(device)
     reference.router.load_state_dict(ours.router.state_dict())
     with torch.no_grad():
         for i, expert in enumerate(reference.experts.local_experts):

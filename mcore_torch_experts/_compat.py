@@ -70,11 +70,28 @@ def expert_rng_fork():
 # Every version builds an experts ModuleSpec (0.16 through build_module, 0.17+ by calling it).
 
 
+def spec_class(spec):
+    """The class a spec builds: a ModuleSpec's `module`, a partial's `func`, or the class itself."""
+    if isinstance(spec, functools.partial):
+        return spec.func
+    return getattr(spec, "module", spec)
+
+
 def is_moe_mlp_spec(mlp_spec) -> bool:
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    layer = getattr(mlp_spec, "module", None) or getattr(mlp_spec, "func", None)
+    layer = spec_class(mlp_spec)
     return isinstance(layer, type) and issubclass(layer, MoELayer)
+
+
+def build_moe_layer(mlp_spec, config, **kwargs):
+    """The MoE layer an MoE mlp spec describes, built with `config` and `kwargs`
+    (a ModuleSpec through Megatron's build_module, a 0.18+ partial by calling it)."""
+    if isinstance(mlp_spec, functools.partial):
+        return mlp_spec(config=config, **kwargs)
+    from megatron.core.transformer.spec_utils import build_module
+
+    return build_module(mlp_spec, config=config, **kwargs)
 
 
 def with_moe_layer_class(mlp_spec, layer_class):
@@ -113,6 +130,38 @@ def gpt_layer_spec_kwargs(builder, config, **kwargs) -> dict:
     return {k: v for k, v in wanted.items() if k in params}
 
 
+# --- Hybrid (Mamba / attention / MLP / MoE) stacks ----------------------------------------------
+# 0.16/0.17: MambaModel + MambaStack, spec `models.mamba.mamba_layer_specs.mamba_stack_spec`.
+# 0.18+:     HybridModel + HybridStack, spec `models.hybrid.hybrid_layer_specs.hybrid_stack_spec`
+#            (MambaModel / MambaStack remain as aliases). Both specs hold the MoE layer's spec as
+#            `submodules.moe_layer`.
+
+
+def megatron_hybrid_stack_spec():
+    """Megatron's reference hybrid stack spec of the installed release (its TE modules)."""
+    try:
+        from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+    except ImportError:  # before 0.18
+        from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec as hybrid_stack_spec
+    return hybrid_stack_spec
+
+
+def hybrid_model_class():
+    """HybridModel (0.18+), or MambaModel before it."""
+    try:
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+    except ImportError:  # before 0.18
+        from megatron.core.models.mamba.mamba_model import MambaModel as HybridModel
+    return HybridModel
+
+
+def hybrid_pattern_kwarg(model_class) -> str:
+    """The constructor argument that takes the layer pattern ("*E*E": attention, MoE, ...):
+    `hybrid_layer_pattern` from 0.18 (`hybrid_override_pattern` is deprecated there)."""
+    params = inspect.signature(model_class).parameters
+    return "hybrid_layer_pattern" if "hybrid_layer_pattern" in params else "hybrid_override_pattern"
+
+
 # --- Full activation recompute ------------------------------------------------------------------
 # 0.16/0.17: TransformerBlock._checkpointed_forward; MambaStack has no full recompute.
 # 0.18+:     module-level megatron.core.recompute.checkpointed_forward, imported by name into
@@ -137,6 +186,20 @@ def full_recompute_block_classes() -> tuple:
 # Both the allgather and the alltoall dispatcher sum a token's top-k rows inside `moe_utils.unpermute`
 # (called without probs: the experts already applied them). FP32CombineMoELayer hands each
 # dispatcher instance a replacement for the method that calls it.
+# Alltoall with overlapped shared experts: 0.16/0.17 run the shared experts' fc2 and their output
+# communication in `combine_postprocess`; 0.18+ run them in `token_combine`, before it.
+
+
+def megatron_core_release() -> tuple:
+    """The installed megatron-core's (major, minor)."""
+    from megatron.core import __version__
+    from packaging.version import Version
+
+    return Version(__version__).release[:2]
+
+
+def shared_experts_fc2_in_combine_postprocess() -> bool:
+    return megatron_core_release() < (0, 18)
 
 
 def route_unpermute_through(dispatcher, combine) -> None:
@@ -150,15 +213,18 @@ def route_unpermute_through(dispatcher, combine) -> None:
 
         dispatcher.combine_preprocess = combine_preprocess
     elif isinstance(dispatcher, td.MoEAlltoAllTokenDispatcher):
+        fc2_here = shared_experts_fc2_in_combine_postprocess()
+
         def combine_postprocess(permuted_local_input_tokens):
-            if dispatcher.shared_experts is not None:
-                dispatcher.shared_experts.linear_fc2_forward(permuted_local_input_tokens)
-                dispatcher.shared_experts.post_forward_comm()
+            shared = dispatcher.shared_experts
+            if shared is not None and fc2_here:
+                shared.linear_fc2_forward(permuted_local_input_tokens)
+                shared.post_forward_comm()
             output = combine(permuted_local_input_tokens,
                              dispatcher.reversed_local_input_permutation_mapping,
                              dispatcher.hidden_shape_before_permute).view(dispatcher.hidden_shape)
-            if dispatcher.shared_experts is not None:
-                output = output + dispatcher.shared_experts.get_output()
+            if shared is not None:
+                output = output + shared.get_output()
             return output
 
         dispatcher.combine_postprocess = combine_postprocess

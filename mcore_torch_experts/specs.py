@@ -121,3 +121,18 @@ def gpt_transformer_layer_spec(config: TransformerConfig, vp_stage: Optional[int
         return get_gpt_layer_with_transformer_engine_spec(config, qk_l2_norm=config.qk_l2_norm)
     return get_gpt_layer_local_spec(config, normalization=config.normalization,
                                     qk_l2_norm=config.qk_l2_norm)
+
+
+def get_hybrid_stack_spec(config: TransformerConfig, stack_spec=None):
+    """What a hybrid (Nemotron-H style) model provider passes to HybridModel as
+    `hybrid_stack_spec`: Megatron's hybrid stack spec (or `stack_spec`, one with the same
+    `submodules.moe_layer` field) whose MoE layer follows moe_expert_gemm_backend and
+    moe_combine_in_fp32. Mamba, attention and MLP layers are unchanged.
+    """
+    torch_experts = _check_torch_experts(config, {})
+    if stack_spec is None:
+        stack_spec = _compat.megatron_hybrid_stack_spec()
+    moe_layer = _follow_config(config, stack_spec.submodules.moe_layer, torch_experts)
+    return dataclasses.replace(stack_spec,
+                               submodules=dataclasses.replace(stack_spec.submodules,
+                                                              moe_layer=moe_layer))

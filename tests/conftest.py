@@ -44,3 +44,19 @@ def megatron_cpu(_gloo_world, monkeypatch):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     return ProcessGroupCollection.use_mpu_process_groups()
+
+
+
+@pytest.fixture
+def cpu_cuda_streams(monkeypatch):
+    """CUDA-stream stand-ins (tests/host_streams.py) so Megatron's alltoall token dispatcher runs
+    on a CPU-only machine. Test setup only; the code under test is not patched."""
+    if torch.cuda.is_available():
+        return
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from host_streams import cuda_stream_patches
+
+    for owner, name, stand_in in cuda_stream_patches():
+        monkeypatch.setattr(owner, name, stand_in)
+    monkeypatch.setattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", None, raising=False)

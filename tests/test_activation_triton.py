@@ -62,5 +62,6 @@ def test_fused_activation_matches_fp64_in_the_interpreter():
     child = subprocess.run(
         [sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=300,
         cwd=tests, env={**os.environ, "TRITON_INTERPRET": "1",
-                        "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])})
+                        "PYTHONPATH": os.pathsep.join(
+                            [str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")])})
     assert child.returncode == 0 and "FUSED ACTIVATION OK" in child.stdout, child.stderr[-3000:]

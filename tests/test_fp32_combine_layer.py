@@ -1,25 +1,24 @@
 """FP32CombineMoELayer sums each token's top-k expert rows in FP32: one rounding instead of k."""
 
-import dataclasses
+import collections
 
 import pytest
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.spec_utils import build_module
 
+from mcore_torch_experts import _compat
 from mcore_torch_experts import moe_layer as moe_layer_module
 from mcore_torch_experts.combine import fp32_combine
 from mcore_torch_experts.moe_layer import FP32CombineMoELayer
 from mcore_torch_experts.specs import get_gpt_layer_local_spec
-from reference import make_config
+from reference import make_config, rel_err
 
 TOKENS, HIDDEN, EXPERTS, TOP_K = 48, 64, 16, 8
 
 
 def moe_layer(config, layer_class):
     spec = get_gpt_layer_local_spec(config).submodules.mlp
-    spec = dataclasses.replace(spec, module=layer_class)
-    return build_module(spec, config=config)
+    return _compat.build_moe_layer(_compat.with_moe_layer_class(spec, layer_class), config)
 
 
 def capture_expert_rows(layer):
@@ -36,9 +35,8 @@ def capture_expert_rows(layer):
 
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
 @pytest.mark.parametrize("chunk_rows", [0, 7])
-def test_top_k_sum_is_rounded_once(megatron_cpu, monkeypatch, dispatcher, chunk_rows):
-    if dispatcher == "alltoall" and not torch.cuda.is_available():
-        pytest.skip("megatron-core 0.16's alltoall dispatcher needs CUDA streams")
+def test_top_k_sum_is_rounded_once(megatron_cpu, cpu_cuda_streams, monkeypatch, dispatcher,
+                                  chunk_rows):
     config = make_config(num_experts=EXPERTS, hidden=HIDDEN, ffn=64, moe_router_topk=TOP_K,
                          moe_token_dispatcher_type=dispatcher, moe_aux_loss_coeff=0.0)
     config.moe_expert_gemm_backend = "torch"
@@ -102,8 +100,9 @@ def test_reference_spec_builds_fp32_combine_layers_when_asked():
     plain = get_gpt_layer_local_spec(TorchExpertsTransformerConfig(**fields)).submodules.mlp
     fp32 = get_gpt_layer_local_spec(
         TorchExpertsTransformerConfig(**fields, moe_combine_in_fp32=True)).submodules.mlp
-    assert plain.module is MoELayer and fp32.module is FP32CombineMoELayer
-    assert fp32.submodules.experts.module is TorchGroupedMLP
+    assert _compat.spec_class(plain) is MoELayer
+    assert _compat.spec_class(fp32) is FP32CombineMoELayer
+    assert _compat.spec_class(_compat.moe_submodules(fp32).experts) is TorchGroupedMLP
 
 
 def test_fp32_combine_settings_are_validated():
@@ -117,3 +116,77 @@ def test_fp32_combine_settings_are_validated():
         TorchExpertsTransformerConfig(**fields, moe_combine_backend="cuda")
     with pytest.raises(TorchExpertsConfigError, match="moe_token_dispatcher_type='flex'"):
         TorchExpertsTransformerConfig(**fields, moe_token_dispatcher_type="flex")
+
+
+class SharedExpertsRecorder:
+    """Stands in for overlapped shared experts inside the alltoall dispatcher: counts each call the
+    dispatcher makes and contributes a known output (0.5 everywhere)."""
+
+    def __init__(self):
+        self.calls = collections.Counter()
+        self.shape = None
+
+    def pre_forward_comm(self, hidden_states):
+        self.calls["pre_forward_comm"] += 1
+        self.shape = hidden_states.shape
+
+    def linear_fc1_forward_and_act(self, tokens):
+        self.calls["linear_fc1_forward_and_act"] += 1
+
+    def linear_fc2_forward(self, tokens):
+        self.calls["linear_fc2_forward"] += 1
+
+    def post_forward_comm(self):
+        self.calls["post_forward_comm"] += 1
+
+    def wait_current_stream(self):
+        self.calls["wait_current_stream"] += 1
+
+    def get_output(self):
+        self.calls["get_output"] += 1
+        return torch.full(self.shape, 0.5, dtype=torch.bfloat16)
+
+
+def alltoall_pair(**overrides):
+    """The same alltoall MoE layer as FP32CombineMoELayer and as Megatron's MoELayer."""
+    config = make_config(num_experts=EXPERTS, hidden=HIDDEN, ffn=64, moe_router_topk=TOP_K,
+                         moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
+                         **overrides)
+    config.moe_expert_gemm_backend = "torch"
+    config.moe_combine_backend = "torch"
+    torch.manual_seed(0)
+    ours = moe_layer(config, FP32CombineMoELayer)
+    megatron = moe_layer(config, MoELayer)
+    megatron.load_state_dict(ours.state_dict())
+    for layer in (ours, megatron):
+        layer.requires_grad_(False)
+    return ours, megatron
+
+
+def test_alltoall_overlapped_shared_experts_run_once_per_forward(megatron_cpu, cpu_cuda_streams):
+    """The FP32 combine keeps the dispatcher's shared-expert protocol: each call Megatron's own
+    dispatcher makes happens exactly as often, on every supported release."""
+    ours, megatron = alltoall_pair()
+    recorders = [SharedExpertsRecorder(), SharedExpertsRecorder()]
+    for layer, recorder in zip((ours, megatron), recorders):
+        layer.token_dispatcher.shared_experts = recorder  # what set_shared_experts does
+    x = torch.randn(TOKENS, 1, HIDDEN).bfloat16()
+    out, _ = ours(x)
+    out_megatron, _ = megatron(x)
+    assert recorders[0].calls == recorders[1].calls
+    assert recorders[0].calls["linear_fc2_forward"] == 1
+    assert recorders[0].calls["get_output"] == 1
+    assert rel_err(out, out_megatron) < 1e-2  # both include the shared output once
+
+
+def test_alltoall_with_shared_experts_matches_megatron(megatron_cpu, cpu_cuda_streams):
+    """Shared experts run by the MoE layer itself (no overlap): same output as MoELayer."""
+    ours, megatron = alltoall_pair(moe_shared_expert_intermediate_size=64)
+    assert ours.shared_experts is not None
+    x = torch.randn(TOKENS, 1, HIDDEN).bfloat16()
+    out, _ = ours(x)
+    out_megatron, _ = megatron(x)
+    shared = ours.shared_experts(x)
+    shared = shared[0] if isinstance(shared, tuple) else shared
+    assert rel_err(out, out_megatron) < 1e-2
+    assert rel_err(out - shared, out_megatron - shared) < 2e-2

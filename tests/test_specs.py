@@ -5,6 +5,7 @@ weights. The spec helpers also handle the partial-based specs of Megatron-Core 0
 import dataclasses
 import functools
 import importlib.util
+import inspect
 import pathlib
 
 import pytest
@@ -26,6 +27,27 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # Same weights, same math: only the expert GEMM kernels differ (equal on the CPU). Tight enough
 # to notice one expert of one layer scaled by 1.5 (logits move by 6e-3, gradients by 0.25).
 LOGITS_TOL, GRAD_TOL = 1e-3, 1e-2
+
+
+def experts_class(layer_spec):
+    """The experts class a TransformerLayer spec's MoE mlp builds (ModuleSpec or partial form)."""
+    return _compat.spec_class(_compat.moe_submodules(layer_spec.submodules.mlp).experts)
+
+
+def spec_structure(spec):
+    """A spec as comparable plain data: 0.18+ partials compare by identity, so compare what they
+    build and with which arguments instead."""
+    if isinstance(spec, functools.partial):
+        return ("partial", spec.func, tuple(map(spec_structure, spec.args)),
+                {k: spec_structure(v) for k, v in spec.keywords.items()})
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return (type(spec), {f.name: spec_structure(getattr(spec, f.name))
+                             for f in dataclasses.fields(spec)})
+    if isinstance(spec, (list, tuple)):
+        return [spec_structure(s) for s in spec]
+    if isinstance(spec, dict):
+        return {k: spec_structure(v) for k, v in spec.items()}
+    return spec
 
 
 def mlp_kinds(model):
@@ -67,24 +89,22 @@ def test_gpt_model_from_the_reference_spec_matches_the_sequential_mlp_model(mega
 
 def test_transformer_engine_backend_leaves_megatron_specs_unchanged(megatron_cpu):
     config = tiny_config(moe_grouped_gemm=False)
-    assert specs.get_gpt_decoder_block_spec(config, False) == \
-        gpt_layer_specs.get_gpt_decoder_block_spec(config, False)
-    ours = specs.get_gpt_layer_local_spec(config)
-    assert ours.submodules.mlp.submodules.experts.module is SequentialMLP
+    assert spec_structure(specs.get_gpt_decoder_block_spec(config, False)) == \
+        spec_structure(gpt_layer_specs.get_gpt_decoder_block_spec(config, False))
+    assert experts_class(specs.get_gpt_layer_local_spec(config)) is SequentialMLP
 
 
 def test_block_spec_swaps_only_moe_experts_and_never_mutates_megatron_specs(megatron_cpu):
     config = tiny_config(moe_expert_gemm_backend="torch", moe_grouped_gemm=True)
     block = specs.get_gpt_decoder_block_spec(config, False)
-    mlps = [layer.submodules.mlp for layer in block.layer_specs]
-    assert mlps[0].module is MLP
-    assert all(mlp.submodules.experts.module is TorchGroupedMLP for mlp in mlps[1:])
+    assert not _compat.is_moe_mlp_spec(block.layer_specs[0].submodules.mlp)
+    assert all(experts_class(layer) is TorchGroupedMLP for layer in block.layer_specs[1:])
 
     megatron_moe_spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=NUM_EXPERTS,
                                                                  moe_grouped_gemm=False)
     swapped = specs.with_torch_experts(megatron_moe_spec)
-    assert swapped.submodules.mlp.submodules.experts.module is TorchGroupedMLP
-    assert megatron_moe_spec.submodules.mlp.submodules.experts.module is SequentialMLP
+    assert experts_class(swapped) is TorchGroupedMLP
+    assert experts_class(megatron_moe_spec) is SequentialMLP
 
 
 def test_spec_builder_arguments_are_checked_too():
@@ -97,21 +117,22 @@ def test_provider_spec_is_a_block_for_moe_and_a_layer_for_dense_models(megatron_
     moe = specs.gpt_transformer_layer_spec(
         tiny_config(moe_expert_gemm_backend="torch", moe_grouped_gemm=True),
         use_transformer_engine=False)
-    assert [spec.submodules.mlp.submodules.experts.module for spec in moe.layer_specs[1:]] == \
+    assert [experts_class(spec) for spec in moe.layer_specs[1:]] == \
         [TorchGroupedMLP, TorchGroupedMLP]
     dense_config = tiny_config(num_moe_experts=None, moe_ffn_hidden_size=None, moe_layer_freq=1)
     dense = specs.gpt_transformer_layer_spec(dense_config,
                                              use_transformer_engine=False)
-    assert isinstance(dense, ModuleSpec) and dense.submodules.mlp.module is MLP
+    assert isinstance(dense, ModuleSpec) and not _compat.is_moe_mlp_spec(dense.submodules.mlp)
 
 
-def test_top_level_specs_module_re_exports_the_package_functions():
-    path = REPO / "specs" / "gpt_moe.py"
-    module_spec = importlib.util.spec_from_file_location("gpt_moe", path)
-    gpt_moe = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(gpt_moe)
-    for name in gpt_moe.__all__:
-        assert getattr(gpt_moe, name) is getattr(specs, name)
+@pytest.mark.parametrize("file", ["gpt_moe", "hybrid_moe"])
+def test_top_level_specs_modules_re_export_the_package_functions(file):
+    module_spec = importlib.util.spec_from_file_location(file, REPO / "specs" / f"{file}.py")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    assert module.__all__
+    for name in module.__all__:
+        assert getattr(module, name) is getattr(specs, name)
 
 
 # --- Megatron-Core 0.18+ spec forms, fabricated on the installed release ------------------------
@@ -164,7 +185,8 @@ def test_dense_layer_specs_pass_through():
     dense_layer = gpt_layer_specs.get_gpt_layer_local_spec()
     dense_mlp = dense_layer.submodules.mlp
     assert not _compat.is_moe_mlp_spec(dense_mlp)
-    assert not _compat.is_moe_mlp_spec(functools.partial(MLP, submodules=dense_mlp.submodules))
+    assert not _compat.is_moe_mlp_spec(functools.partial(MLP, submodules=MLPSubmodules(
+        linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)))
     assert specs.with_torch_experts(dense_layer) is dense_layer
 
 
@@ -179,5 +201,7 @@ def test_layer_spec_arguments_follow_the_builder_signature():
     assert _compat.gpt_layer_spec_kwargs(builder_0_17, config, normalization="RMSNorm") == dict(
         num_experts=NUM_EXPERTS, moe_grouped_gemm=True, qk_layernorm=False,
         multi_latent_attention=False, normalization="RMSNorm")
-    kwargs_0_16 = _compat.gpt_layer_spec_kwargs(gpt_layer_specs.get_gpt_layer_local_spec, config)
-    assert kwargs_0_16["moe_use_legacy_grouped_gemm"] is False
+    builder = gpt_layer_specs.get_gpt_layer_local_spec
+    installed = _compat.gpt_layer_spec_kwargs(builder, config)
+    takes_legacy = "moe_use_legacy_grouped_gemm" in inspect.signature(builder).parameters
+    assert installed.get("moe_use_legacy_grouped_gemm", None) is (False if takes_legacy else None)
