@@ -127,7 +127,7 @@ def _wrappable_types(utils) -> tuple:
         types += [*utils.TECL, *utils.TERL, utils.TELinear]
     if utils.HAVE_MODELOPT_LINEAR:
         types.append(utils.ModelOptLinear)
-    return tuple(types)
+    return tuple(t for t in types if isinstance(t, type))  # Bridge's placeholders for absent TE
 
 
 def _refusal(peft, module, utils):
@@ -164,16 +164,19 @@ def check_bridge_peft(peft, model) -> None:
         return
     refused = []
 
-    def visit(module, name=None, prefix=None):
+    def visit(module, name, prefix):
         if isinstance(module, (AdapterWrapper, LinearAdapter)):
-            return module
+            return
         found = peft.match(module, name, prefix)
         if found is not None and (reason := _refusal(peft, module, utils)) is not None:
             refused.append(f"{found[1]} ({type(module).__name__}): {reason}")
-        return module
 
+    chunks = model if isinstance(model, list) else [model]
     peft._init_target_match_state()
-    peft._walk_model(model, visit)
+    for chunk in chunks:  # named_modules, not Bridge's walk, which rebuilds containers
+        for full_name, module in getattr(chunk, "module", chunk).named_modules():
+            prefix, _, name = full_name.rpartition(".")
+            visit(module, name, prefix or None)
     peft._reset_target_match_state()
     if refused:
         raise NotImplementedError(

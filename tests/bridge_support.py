@@ -6,6 +6,10 @@ be built on CPU-only machines. Where TE is absent, `import_bridge_peft()` puts a
 `transformer_engine` / `transformer_engine.pytorch` (no attributes besides `ops.Sequential`, read
 by an annotation) into sys.modules for the duration of Bridge's import only, then removes it.
 
+Without TE, Megatron-Core (0.19) exports MagicMock placeholders under the TE class names; Bridge
+imports them and sets its `HAVE_TE*` flags, and its `isinstance` checks against them raise
+TypeError. After the import those Bridge flags are set to False, which is what they mean here.
+
 Megatron-Core decides whether TE is present when each of its modules is first imported. So that
 no Megatron module sees the stand-in, every Megatron (non-Bridge) module that Bridge's import
 pulls in is imported before the stand-in goes in (PREIMPORT), and the window is checked: a
@@ -24,13 +28,13 @@ PREIMPORT = (  # Megatron modules that `import megatron.bridge` (0.6.2) imports
     "megatron.core.models.T5",
     "megatron.core.models.multimodal.llava_model",
     "megatron.core.models.vision.radio",
+    "megatron.core.models.vision.vit_layer_specs",
     "megatron.core.ssm.mamba_hybrid_layer_allocation",
 )
 BRIDGE_MODULES = (
     "megatron.bridge.peft.lora",
     "megatron.bridge.peft.canonical_lora",
     "megatron.bridge.peft.dora",
-    "megatron.bridge.training.checkpointing",
 )
 STAND_IN = ("transformer_engine", "transformer_engine.pytorch")
 
@@ -63,6 +67,11 @@ def import_bridge_peft() -> None:
     finally:
         for name in STAND_IN:
             sys.modules.pop(name, None)
+    from megatron.bridge.peft import module_matcher, utils
+
+    for module in (utils, module_matcher):
+        for flag in [name for name in vars(module) if name.startswith("HAVE_TE")]:
+            setattr(module, flag, False)
     leaked = sorted(n for n in set(sys.modules) - before
                     if n.startswith("megatron.") and not n.startswith("megatron.bridge"))
     assert not leaked, (f"Megatron modules first imported while the TE stand-in was in place "
