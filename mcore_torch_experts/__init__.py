@@ -1,5 +1,6 @@
 """Frozen grouped-GEMM experts for adapter training on Megatron-Core MoE models."""
 
+from .bridge import check_bridge_peft, merge_bridge_lora, register_with_megatron_bridge
 from .combine import CHUNK_ROWS_ENV, DEFAULT_CHUNK_ROWS, chunk_rows_from_env, fp32_combine
 from .config import (
     TorchExpertsConfigError,
@@ -27,6 +28,7 @@ __all__ = [
     "TorchGroupedMLP",
     "apply_lora",
     "build_gpt_model",
+    "check_bridge_peft",
     "chunk_rows_from_env",
     "convert_experts_to_torch",
     "find_grouped_mm",
@@ -37,6 +39,8 @@ __all__ = [
     "load_lora_state_dict",
     "lora_parameters",
     "lora_state_dict",
+    "merge_bridge_lora",
+    "register_with_megatron_bridge",
     "validate_fp32_combine_config",
     "validate_torch_experts_config",
 ]

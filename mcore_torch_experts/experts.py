@@ -35,6 +35,8 @@ class TorchGroupedLinear(torch.nn.Module):
 
     forward(x [T, in], tokens_per_expert [E]) -> (y [T, out], None): the call contract of
     Megatron's grouped linears, so adapter wrappers (`base(x, *args)`) work unchanged.
+    Megatron-Bridge's PEFT reads `config`, `parallel_mode`, `in_features`/`out_features` (local
+    shard) and `num_gemms` (= num_experts), as on a TE grouped linear.
     """
 
     def __init__(self, num_experts: int, input_size: int, output_size: int, *,
@@ -42,7 +44,7 @@ class TorchGroupedLinear(torch.nn.Module):
                  pg_collection, name: str):
         super().__init__()
         self.config = config
-        self.num_experts = num_experts
+        self.num_experts = self.num_gemms = num_experts
         self.parallel_mode = parallel_mode
         self.name = name
         self._pg_collection = pg_collection
@@ -237,6 +239,9 @@ class TorchGroupedMLP(MegatronModule):
             config=config, init_method=config.output_layer_init_method, parallel_mode="row",
             stride=1, pg_collection=pg_collection, name=f"{prefix}linear_fc2")
         self.grouped_mm_name = self.linear_fc1.grouped_mm_name
+        from .bridge import register_if_bridge_loaded
+
+        register_if_bridge_loaded()  # Bridge's PEFT, when this process uses it, must know us
         self.activation_impl = "fused" if _fused_activation_available(config) else "eager"
         """"fused": activation x probs in one Triton kernel on CUDA tensors; "eager": torch ops
         (always on the CPU; on CUDA when triton is missing or the activation is not covered)."""

@@ -1,0 +1,236 @@
+"""Megatron-Bridge PEFT (LoRA, CanonicalLoRA) on TorchGroupedMLP experts.
+
+Bridge recognises the linears it can wrap by type in `peft.utils.get_adapter_attributes_from_linear`,
+a function that `peft.lora`, `peft.canonical_lora`, `peft.dora` and the conversion code import by
+name. `register_with_megatron_bridge()` teaches it TorchGroupedLinear (the attributes of a TE
+grouped linear of the same parallel mode), in Bridge's own module and in every module that bound
+it, and wraps two more entry points, both unchanged for every other module type:
+
+- `ModuleMatcher.match`: in `exclude_modules` mode a TorchGroupedLinear is a linear to wrap, as
+  the experts' ColumnParallelLinear/RowParallelLinear of a SequentialMLP are;
+- `PEFT.__call__` of LoRA, CanonicalLoRA and DoRA: every module the PEFT would wrap is checked
+  first (`check_bridge_peft`), so a module Bridge cannot wrap is an error before any parameter
+  is frozen or any module replaced.
+
+Adapter layouts on a TorchGroupedLinear are Bridge's own: `share_expert_adapters=True`
+(ParallelLinearAdapter, one pair per grouped module), `False` (GroupedExpertLinearAdapter, one
+pair per local expert, read from `num_gemms`), `experts_shared_outer_loras=True`
+(SharedOuterGroupedExpertAdapter), each with `normalize_moe_lora`. DoRA needs one `.weight` per
+linear and is refused on grouped experts (Bridge has no DoRA for TE grouped linears either).
+"""
+
+import functools
+import sys
+from typing import List
+
+import torch
+
+from . import _compat
+from .experts import TorchGroupedLinear
+
+_ORIGINAL = "__torch_experts_original__"
+_ATTRIBUTES_FUNCTION = "get_adapter_attributes_from_linear"
+
+
+def register_with_megatron_bridge() -> bool:
+    """Teach Megatron-Bridge's PEFT about TorchGroupedLinear; return whether Bridge is importable.
+
+    Idempotent. Without Megatron-Bridge (or when it cannot be imported) nothing is touched and
+    the answer is False.
+    """
+    try:
+        from megatron.bridge.peft import base, module_matcher, utils
+    except ImportError:
+        return False
+    original = getattr(utils.get_adapter_attributes_from_linear, _ORIGINAL,
+                       utils.get_adapter_attributes_from_linear)
+    if not hasattr(utils.get_adapter_attributes_from_linear, _ORIGINAL):
+        utils.get_adapter_attributes_from_linear = _with_torch_grouped_attributes(original, utils)
+    wrapped = utils.get_adapter_attributes_from_linear
+    for name, module in list(sys.modules.items()):  # the modules that imported it by name
+        if name.startswith("megatron.bridge") and getattr(module, _ATTRIBUTES_FUNCTION, None) is original:
+            setattr(module, _ATTRIBUTES_FUNCTION, wrapped)
+    if not hasattr(module_matcher.ModuleMatcher.match, _ORIGINAL):
+        module_matcher.ModuleMatcher.match = _matching_torch_grouped(module_matcher.ModuleMatcher.match,
+                                                                     utils)
+    if not hasattr(base.PEFT.__call__, _ORIGINAL):
+        base.PEFT.__call__ = _checked_first(base.PEFT.__call__)
+    return True
+
+
+def register_if_bridge_loaded() -> None:
+    """Register when the process has already imported Bridge's PEFT (never imports it)."""
+    if "megatron.bridge.peft.utils" in sys.modules:
+        register_with_megatron_bridge()
+
+
+def adapter_attributes(module: TorchGroupedLinear, utils):
+    """Bridge's AdapterAttributes of a TorchGroupedLinear: those of a TE grouped linear of the same
+    parallel mode (features of the whole, not the expert-TP shard, on the parallel side)."""
+    tp_size = _compat.group_size(module._pg_collection.expt_tp)
+    column = module.parallel_mode == "column"
+    return utils.AdapterAttributes(
+        input_is_parallel=not column,
+        in_features=module.in_features * (1 if column else tp_size),
+        out_features=module.out_features * (tp_size if column else 1),
+        disable_tensor_parallel_comm=False,
+        disable_sequence_parallel_comm=not module.config.sequence_parallel,
+        base_linear_is_parallel=True,
+    )
+
+
+def _with_torch_grouped_attributes(original, utils):
+    @functools.wraps(original)
+    def get_adapter_attributes_from_linear(m, *args, **kwargs):
+        if isinstance(m, TorchGroupedLinear):
+            return adapter_attributes(m, utils)
+        return original(m, *args, **kwargs)
+
+    setattr(get_adapter_attributes_from_linear, _ORIGINAL, original)
+    return get_adapter_attributes_from_linear
+
+
+def _matching_torch_grouped(original, utils):
+    @functools.wraps(original)
+    def match(self, m, name=None, prefix=None):
+        found = original(self, m, name, prefix)
+        exclude_mode = not (self.canonical_mapping or self.target_modules)
+        if found is None and exclude_mode and isinstance(m, TorchGroupedLinear):
+            full_name = f"{prefix}.{name}" if prefix else name
+            if name not in self.exclude_modules and not any(
+                    utils.wildcard_match(pattern, full_name) for pattern in self.exclude_modules):
+                self._record_match(name, full_name)
+                return name, full_name
+        return found
+
+    setattr(match, _ORIGINAL, original)
+    return match
+
+
+def _checked_first(original):
+    @functools.wraps(original)
+    def __call__(self, model, training=True):
+        check_bridge_peft(self, model)
+        return original(self, model, training=training)
+
+    setattr(__call__, _ORIGINAL, original)
+    return __call__
+
+
+def _wrappable_types(utils) -> tuple:
+    """The module types Bridge's attribute function recognises (TorchGroupedLinear included)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    types = [TopKRouter, ColumnParallelLinear, RowParallelLinear, TorchGroupedLinear]
+    if utils.HAVE_TE:
+        types += [*utils.TECL, *utils.TERL, utils.TELinear]
+    if utils.HAVE_MODELOPT_LINEAR:
+        types.append(utils.ModelOptLinear)
+    return tuple(t for t in types if isinstance(t, type))  # Bridge's placeholders for absent TE
+
+
+def _refusal(peft, module, utils):
+    """Why Bridge's `peft` cannot wrap `module` (None when it can)."""
+    from megatron.bridge.peft.dora import DoRA
+
+    if isinstance(peft, DoRA):
+        if isinstance(module, TorchGroupedLinear) or not isinstance(getattr(module, "weight", None),
+                                                                    torch.Tensor):
+            return ("DoRA needs the base weight as one `.weight` tensor; grouped expert linears "
+                    "hold weight0..weight{E-1} (Bridge has no DoRA on grouped experts)")
+    elif isinstance(module, torch.nn.Linear):
+        return None
+    if not isinstance(module, _wrappable_types(utils)):
+        return "not a linear type Megatron-Bridge's PEFT recognises"
+    return None
+
+
+def check_bridge_peft(peft, model) -> None:
+    """Raise before `peft(model)` changes anything if a module it would wrap cannot be wrapped.
+
+    Checks Bridge's LoRA, CanonicalLoRA and DoRA (and subclasses keeping their `transform`): it
+    walks `model` (a module or a list of model chunks) with the PEFT's own matching. Other PEFT
+    classes wrap what their own `transform` decides and are not checked.
+    """
+    from megatron.bridge.peft import utils
+    from megatron.bridge.peft.adapter_wrapper import AdapterWrapper
+    from megatron.bridge.peft.canonical_lora import CanonicalLoRA
+    from megatron.bridge.peft.dora import DoRA
+    from megatron.bridge.peft.lora import LoRA
+    from megatron.bridge.peft.lora_layers import LinearAdapter
+
+    if type(peft).transform not in (LoRA.transform, CanonicalLoRA.transform, DoRA.transform):
+        return
+    refused = []
+
+    def visit(module, name, prefix):
+        if isinstance(module, (AdapterWrapper, LinearAdapter)):
+            return
+        found = peft.match(module, name, prefix)
+        if found is not None and (reason := _refusal(peft, module, utils)) is not None:
+            refused.append(f"{found[1]} ({type(module).__name__}): {reason}")
+
+    chunks = model if isinstance(model, list) else [model]
+    peft._init_target_match_state()
+    for chunk in chunks:  # named_modules, not Bridge's walk, which rebuilds containers
+        for full_name, module in getattr(chunk, "module", chunk).named_modules():
+            prefix, _, name = full_name.rpartition(".")
+            visit(module, name, prefix or None)
+    peft._reset_target_match_state()
+    if refused:
+        raise NotImplementedError(
+            f"Megatron-Bridge {type(peft).__name__} cannot wrap {len(refused)} matched module(s); "
+            "the model was not changed:\n  " + "\n  ".join(refused)
+            + "\nLeave them out of target_modules (or add them to exclude_modules), e.g. "
+            "target_modules=['linear_qkv', 'linear_proj'] for attention only.")
+
+
+def _expert_factors(adapter, num_experts: int):
+    """Per-expert LoRA factors of a Bridge adapter on a grouped linear: A [E, r, in], B [E, out, r]."""
+    from megatron.bridge.peft import utils
+
+    a, b = adapter.linear_in.weight, adapter.linear_out.weight
+    if isinstance(adapter, (utils.GroupedExpertLinearAdapter, utils.SharedOuterGroupedExpertAdapter,
+                            utils.ParallelLinearAdapter)):
+        return (a if a.dim() == 3 else a.expand(num_experts, *a.shape),
+                b if b.dim() == 3 else b.expand(num_experts, *b.shape))
+    raise TypeError(f"merge_bridge_lora: unknown adapter type {type(adapter).__name__}")
+
+
+def merge_bridge_lora(model) -> List[str]:
+    """Fold Bridge LoRA adapters on TorchGroupedLinear experts into their packed weights with
+    Bridge's `LoRAMerge` (W_e + alpha/r * B_e @ A_e, computed in FP32) and unwrap them; return the
+    merged module names.
+
+    `model` is a module or a list of model chunks. The packed buffer is written in place, so every
+    `weightN` stays a view of it. Refused, before anything changes, for expert tensor parallelism
+    above 1 and for adapters that are not plain LoRA (a non-identity activation).
+    """
+    from megatron.bridge.peft.lora_layers import LoRALinear
+    from megatron.bridge.peft.lora_merge import LoRAMerge
+
+    chunks = model if isinstance(model, list) else [model]
+    found = [(chunk, name, m) for chunk in chunks for name, m in chunk.named_modules()
+             if isinstance(m, LoRALinear) and isinstance(m.to_wrap, TorchGroupedLinear)]
+    merged = []
+    for _, name, wrapper in found:
+        base, adapter = wrapper.to_wrap, wrapper.adapter
+        if _compat.group_size(base._pg_collection.expt_tp) > 1:
+            raise NotImplementedError(f"merge_bridge_lora: {name} has expert tensor parallelism "
+                                      "> 1; merge on a model loaded with ETP=1")
+        if not isinstance(adapter.activation, torch.nn.Identity):
+            raise ValueError(f"merge_bridge_lora: {name}'s adapter has a "
+                             f"{type(adapter.activation).__name__} activation; only LoRA merges")
+        a, b = _expert_factors(adapter, base.num_experts)
+        weights = base.packed()
+        merged.append(torch.stack([
+            LoRAMerge().merge(weights[e].float(), b[e].float(), a[e].float(), adapter.alpha,
+                              adapter.dim, tp_group=base._pg_collection.expt_tp).to(weights.dtype)
+            for e in range(base.num_experts)]))
+    with torch.no_grad():
+        for (chunk, name, wrapper), weights in zip(found, merged):
+            wrapper.to_wrap.packed_weight.copy_(weights)
+            parent, _, child = name.rpartition(".")
+            setattr(chunk.get_submodule(parent), child, wrapper.to_wrap)
+    return [name for _, name, _ in found]

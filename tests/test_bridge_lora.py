@@ -1,0 +1,382 @@
+"""Megatron-Bridge's own PEFT (LoRA, CanonicalLoRA) on TorchGroupedMLP experts, against the real
+megatron-bridge package: every expert-adapter layout against an FP64 per-expert loop and against
+Bridge's LoRA on the same model built with SequentialMLP; exclude mode; the pre-flight refusal;
+adapter-only distributed checkpoints; merging; full recompute with both frozen-input guards."""
+
+import pytest
+import torch
+from megatron.core.models.gpt import GPTModel
+
+from bridge_support import import_bridge_peft
+from mcore_torch_experts import TorchGroupedLinear, TorchGroupedMLP, register_with_megatron_bridge
+from mcore_torch_experts.bridge import _ORIGINAL, merge_bridge_lora
+from mcore_torch_experts.specs import get_gpt_decoder_block_spec
+from reference import make_config, rel_err
+from test_recompute import make_config as recompute_config
+from test_recompute import megatron_cpu_training  # noqa: F401  (fixture)
+from tiny_gpt import sequential_to_grouped
+
+TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+LAYOUTS = {  # Bridge LoRA arguments of each expert-adapter layout
+    "shared": {},
+    "per_expert": dict(share_expert_adapters=False),
+    "shared_outer": dict(experts_shared_outer_loras=True),
+    "shared_normalized": dict(normalize_moe_lora=True),
+    "per_expert_normalized": dict(share_expert_adapters=False, normalize_moe_lora=True),
+}
+SPLITS = {"uniform": [5, 5, 5, 5], "zero_experts": [0, 12, 0, 8], "empty_batch": [0, 0, 0, 0]}
+VOCAB, SEQ, BATCH = 128, 16, 2
+
+
+@pytest.fixture(scope="module")
+def bridge():
+    """Bridge's PEFT modules, imported (see bridge_support) and taught about TorchGroupedLinear."""
+    import_bridge_peft()
+    assert register_with_megatron_bridge()
+    from megatron.bridge.peft import canonical_lora, dora, lora, utils
+
+    return dict(LoRA=lora.LoRA, CanonicalLoRA=canonical_lora.CanonicalLoRA, DoRA=dora.DoRA,
+                utils=utils)
+
+
+def randomize_adapters(model, seed=1):
+    """B starts at zero; random adapter weights exercise every factor and gradient."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if ".adapter." in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+
+
+# --- Experts module against an FP64 per-expert loop -------------------------------------------
+
+
+def experts_holder(config, pg_collection):
+    """TorchGroupedMLP under the name `mlp.experts`, which Bridge's expert rule matches."""
+    root = torch.nn.Module()
+    root.mlp = torch.nn.Module()
+    torch.manual_seed(0)
+    root.mlp.experts = TorchGroupedMLP(config.num_moe_experts, config, pg_collection=pg_collection)
+    return root
+
+
+def expert_factors(adapter, num_experts):
+    """Per-expert A [E, r, in], B [E, out, r] of any of Bridge's three expert layouts."""
+    a, b = adapter.linear_in.weight, adapter.linear_out.weight
+    return (a if a.dim() == 3 else a.expand(num_experts, *a.shape),
+            b if b.dim() == 3 else b.expand(num_experts, *b.shape))
+
+
+def fp64_lora_experts(config, experts, x, splits, probs):
+    """FP64 loop: per expert, fc_j(x) = x W_j^T + alpha/r * x A_j^T B_j^T, SwiGLU, probs, fc2."""
+    fc = []
+    for linear in (experts.linear_fc1, experts.linear_fc2):
+        a, b = expert_factors(linear.adapter, config.num_moe_experts)
+        a, b = (t.detach().double().requires_grad_(True) for t in (a, b))
+        base = torch.stack(linear.to_wrap.expert_weights()).double()
+        fc.append((base, a, b, linear.adapter.alpha / linear.adapter.dim))
+    x = x.detach().double().requires_grad_(True)
+    out, start = [], 0
+    for e, count in enumerate(splits):
+        h = x[start:start + count]
+        for j, (base, a, b, scale) in enumerate(fc):
+            h = h @ base[e].T + scale * (h @ a[e].T) @ b[e].T
+            if j == 0:
+                gate, up = h.chunk(2, dim=-1)
+                h = config.activation_func(gate) * up * probs[start:start + count, None].double()
+        out.append(h)
+        start += count
+    return torch.cat(out), x, [t for _, a, b, _ in fc for t in (a, b)]
+
+
+@pytest.mark.parametrize("splits_name", list(SPLITS))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_each_layout_matches_the_fp64_per_expert_loop(bridge, megatron_cpu, layout, splits_name):
+    config = make_config(dtype=torch.float32, moe_ffn_hidden_size=48)
+    root = experts_holder(config, megatron_cpu)
+    bridge["LoRA"](target_modules=["linear_fc1", "linear_fc2"], dim=16, alpha=8,
+                   **LAYOUTS[layout])(root)
+    experts = root.mlp.experts
+    assert {type(m.to_wrap) for m in (experts.linear_fc1, experts.linear_fc2)} == {TorchGroupedLinear}
+    randomize_adapters(root)
+    splits = SPLITS[splits_name]
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(sum(splits), config.hidden_size, generator=generator).requires_grad_(True)
+    probs = torch.rand(sum(splits), generator=generator)
+    out, _ = experts(x, torch.tensor(splits), probs)
+    grad_out = torch.randn(out.shape, generator=generator)
+    out.backward(grad_out)
+    ref, ref_x, ref_factors = fp64_lora_experts(config, experts, x, splits, probs)
+    ref.backward(grad_out.double())
+
+    errors = {"out": rel_err(out, ref), "grad_x": rel_err(x.grad, ref_x.grad)}
+    for linear, (ref_a, ref_b) in zip((experts.linear_fc1, experts.linear_fc2),
+                                      zip(ref_factors[::2], ref_factors[1::2])):
+        for name, p, ref_p in (("A", linear.adapter.linear_in.weight, ref_a),
+                               ("B", linear.adapter.linear_out.weight, ref_b)):
+            expected = ref_p.grad if p.dim() == 3 else ref_p.grad.sum(0)  # shared: all experts
+            errors[f"{linear.to_wrap.name}.{name}"] = rel_err(p.grad, expected) if sum(splits) else (
+                float(p.grad.abs().max()) if p.grad is not None else 0.0)
+    print(layout, splits_name, {k: f"{v:.1e}" for k, v in errors.items()})
+    assert max(errors.values()) < 1e-5, errors
+    if sum(splits) == 0:
+        assert out.shape == (0, config.hidden_size)
+
+
+# --- Whole GPT-MoE: Bridge on TorchGroupedMLP vs Bridge on SequentialMLP ------------------------
+
+
+def gpt(backend, seed=0, **overrides):
+    """The 4-layer GPT-MoE of test_recompute (FP32), experts per `backend`; overrides set after
+    construction."""
+    config = recompute_config()
+    for key, value in dict(overrides, moe_expert_gemm_backend=backend).items():
+        setattr(config, key, value)
+    if backend != "torch":
+        config.moe_grouped_gemm = False  # Megatron's SequentialMLP
+    torch.manual_seed(seed)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
+                    max_sequence_length=SEQ)
+
+
+def lm_batch():
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    return dict(input_ids=tokens, position_ids=torch.arange(SEQ).expand(BATCH, SEQ),
+                attention_mask=torch.ones(1, 1, SEQ, SEQ).triu(1).bool(),
+                labels=torch.roll(tokens, -1, dims=1))
+
+
+def loss_and_grads(model):
+    model.zero_grad()
+    loss = model(**lm_batch()).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def copy_adapters_to_sequential(torch_model, seq_model):
+    """Each local expert's adapter of the SequentialMLP model gets expert e's factors."""
+    seq_params = dict(seq_model.named_parameters())
+    with torch.no_grad():
+        for name, module in torch_model.named_modules():
+            if hasattr(module, "to_wrap") and isinstance(module.to_wrap, TorchGroupedLinear):
+                a, b = expert_factors(module.adapter, module.to_wrap.num_experts)
+                layer, linear = name.rsplit(".experts.", 1)
+                for e in range(module.to_wrap.num_experts):
+                    prefix = f"{layer}.experts.local_experts.{e}.{linear}.adapter"
+                    seq_params[f"{prefix}.linear_in.weight"].copy_(a[e])
+                    seq_params[f"{prefix}.linear_out.weight"].copy_(b[e])
+            elif hasattr(module, "adapter") and not name.count(".experts."):
+                for key, p in module.adapter.named_parameters():
+                    seq_params[f"{name}.adapter.{key}"].copy_(p)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_each_layout_matches_bridge_on_sequential_mlp(bridge, megatron_cpu_training, layout):
+    ours, seq = gpt("torch"), gpt("transformer_engine")
+    ours.load_state_dict(sequential_to_grouped(seq.state_dict()), strict=False)
+    for model in (ours, seq):
+        bridge["LoRA"](target_modules=TARGETS, dim=16, alpha=8, **LAYOUTS[layout])(model)
+    randomize_adapters(ours)
+    copy_adapters_to_sequential(ours, seq)
+    assert {n for n, p in ours.named_parameters() if p.requires_grad} == {
+        n for n, _ in ours.named_parameters() if ".adapter." in n}
+
+    loss, grads = loss_and_grads(ours)
+    seq_loss, seq_grads = loss_and_grads(seq)
+    errors = {"loss": rel_err(loss, seq_loss)}
+    for name, module in ours.named_modules():
+        if hasattr(module, "to_wrap") and isinstance(module.to_wrap, TorchGroupedLinear):
+            layer, linear = name.rsplit(".experts.", 1)
+            for side in ("linear_in", "linear_out"):
+                grad = grads[f"{name}.adapter.{side}.weight"]
+                per_expert = torch.stack([
+                    seq_grads[f"{layer}.experts.local_experts.{e}.{linear}.adapter.{side}.weight"]
+                    for e in range(module.to_wrap.num_experts)])
+                errors[f"{name}.{side}"] = rel_err(grad, per_expert if grad.dim() == 3
+                                                   else per_expert.sum(0))
+    print(layout, {k: f"{v:.1e}" for k, v in errors.items()})
+    assert max(errors.values()) < 1e-5, errors
+
+
+# --- Registration, matching and refusals --------------------------------------------------------
+
+
+def test_registration_is_idempotent_and_every_binding_sees_it(bridge):
+    import sys
+
+    utils = bridge["utils"]
+    wrapped = utils.get_adapter_attributes_from_linear
+    assert register_with_megatron_bridge() and utils.get_adapter_attributes_from_linear is wrapped
+    assert getattr(getattr(wrapped, _ORIGINAL), _ORIGINAL, None) is None  # wrapped once
+    bindings = {name for name, module in sys.modules.items() if name.startswith("megatron.bridge")
+                and getattr(module, "get_adapter_attributes_from_linear", None) is not None}
+    assert {"megatron.bridge.peft.lora", "megatron.bridge.peft.canonical_lora",
+            "megatron.bridge.peft.dora", "megatron.bridge.models.conversion.peft_bridge"} <= bindings
+    assert all(sys.modules[n].get_adapter_attributes_from_linear is wrapped for n in bindings)
+
+
+def test_attributes_are_those_of_te_grouped_linears(bridge, megatron_cpu):
+    config = make_config(dtype=torch.float32)
+    experts = experts_holder(config, megatron_cpu).mlp.experts
+    get = bridge["utils"].get_adapter_attributes_from_linear
+    fc1, fc2 = get(experts.linear_fc1, is_expert=True), get(experts.linear_fc2, is_expert=True)
+    assert (fc1.input_is_parallel, fc1.in_features, fc1.out_features) == (False, 32, 96)
+    assert (fc2.input_is_parallel, fc2.in_features, fc2.out_features) == (True, 48, 32)
+    with pytest.raises(NotImplementedError, match="Layer type is unrecognized for LoRA"):
+        getattr(get, _ORIGINAL)(experts.linear_fc1, is_expert=True)  # Bridge without us
+
+
+def test_without_registration_bridge_fails_and_leaves_a_half_wrapped_model(
+        bridge, megatron_cpu_training, monkeypatch):
+    """What registration fixes: Bridge alone raises mid-way, after freezing and wrapping."""
+    from megatron.bridge.peft import base, lora
+
+    model = gpt("torch")  # built first: building TorchGroupedMLP registers (Bridge is loaded)
+    monkeypatch.setattr(lora, "get_adapter_attributes_from_linear",
+                        getattr(lora.get_adapter_attributes_from_linear, _ORIGINAL))
+    monkeypatch.setattr(base.PEFT, "__call__", getattr(base.PEFT.__call__, _ORIGINAL))
+    with pytest.raises(NotImplementedError, match="TorchGroupedLinear"):
+        bridge["LoRA"](target_modules=TARGETS)(model)
+    assert not any(p.requires_grad for n, p in model.named_parameters() if ".adapter." not in n)
+    assert any(".adapter." in n for n, _ in model.named_parameters())  # the attention's
+
+
+def test_exclude_mode_wraps_the_experts(bridge, megatron_cpu_training):
+    model = gpt("torch")
+    bridge["LoRA"](target_modules=[], exclude_modules=["linear_qkv"])(model)
+    grouped = [n for n, m in model.named_modules() if isinstance(m, TorchGroupedLinear)]
+    assert len(grouped) == 2 * 4 and all(n.endswith(".to_wrap") for n in grouped)
+    assert not any("linear_qkv.adapter" in n for n, _ in model.named_parameters())
+
+
+def test_dora_on_grouped_experts_is_refused_before_anything_changes(bridge, megatron_cpu_training):
+    model = gpt("torch")
+    state = {n: (p.requires_grad, p.detach().clone()) for n, p in model.named_parameters()}
+    modules = dict(model.named_modules())
+    with pytest.raises(NotImplementedError, match=r"not changed:\n.*experts\.linear_fc1 "
+                                                  r"\(TorchGroupedLinear\): DoRA needs"):
+        bridge["DoRA"](target_modules=TARGETS)(model)
+    assert dict(model.named_modules()) == modules
+    assert all(p.requires_grad == state[n][0] and torch.equal(p, state[n][1])
+               for n, p in model.named_parameters())
+    bridge["DoRA"](target_modules=["linear_qkv", "linear_proj"])(model)  # attention: Bridge's DoRA
+
+
+def test_an_unrecognised_target_is_refused_before_anything_changes(bridge, megatron_cpu_training):
+    model = gpt("torch")
+    model.decoder.layers[0].mlp.linear_fc2 = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    trainable = {n: p.requires_grad for n, p in model.named_parameters()}
+    with pytest.raises(NotImplementedError, match=r"layers\.0\.mlp\.linear_fc2 \(Sequential\)"):
+        bridge["LoRA"](target_modules=TARGETS)(model)
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == trainable
+    assert not any(".adapter." in n for n, _ in model.named_parameters())
+
+
+def test_canonical_lora_trains_the_experts(bridge, megatron_cpu_training):
+    model = gpt("torch")
+    with torch.no_grad():
+        before = model(**lm_batch())
+    bridge["CanonicalLoRA"]()(model)
+    assert torch.equal(model(**lm_batch()).detach(), before)  # B = 0
+    randomize_adapters(model)
+    _, grads = loss_and_grads(model)
+    expert_grads = [g for n, g in grads.items() if ".experts.linear_fc" in n]
+    assert len(expert_grads) == 4 * 2 * 2 and all(g.abs().sum() > 0 for g in expert_grads)
+
+
+# --- Checkpoints, merging, recompute ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["shared", "per_expert"])
+def test_adapter_only_distributed_checkpoint_round_trip(bridge, megatron_cpu_training, tmp_path,
+                                                        layout, monkeypatch):
+    """Bridge's way (`training.checkpointing.apply_peft_adapter_filter_to_state_dict` and
+    `peft.utils.load_peft_adapter_checkpoint`, whose module needs nvidia-modelopt, not installed
+    here): the model's sharded state dict filtered by `peft.adapter_key_filter`, extra states
+    dropped, saved with dist_checkpointing; loaded the same way, then `load_state_dict(strict=False)`."""
+    from megatron.core import dist_checkpointing
+
+    if not torch.cuda.is_available():  # Megatron's writer synchronises CUDA (as test_checkpoint)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+    models, pefts = [], []
+    for seed in (0, 0):
+        model, peft = gpt("torch"), bridge["LoRA"](target_modules=TARGETS, dim=8, **LAYOUTS[layout])
+        peft(model)
+        peft.set_params_to_save(model)
+        models.append(model), pefts.append(peft)
+    randomize_adapters(models[0], seed=3)
+
+    def adapter_state(model, peft):
+        return {"model": {k: v for k, v in model.sharded_state_dict().items()
+                          if peft.adapter_key_filter(k) and "_extra_state" not in k}}
+
+    state = adapter_state(models[0], pefts[0])
+    assert state["model"] and all(".adapter." in k for k in state["model"])
+    dist_checkpointing.save(state, str(tmp_path))
+    loaded = dist_checkpointing.load(adapter_state(models[1], pefts[1]), str(tmp_path))
+    models[1].load_state_dict(loaded["model"], strict=False)
+    saved = {n: p for n, p in models[0].named_parameters() if p.requires_grad}
+    loaded = {n: p for n, p in models[1].named_parameters() if p.requires_grad}
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[n], loaded[n]) for n in saved)
+    assert not all(torch.equal(saved[n], torch.zeros_like(saved[n])) for n in saved)
+
+
+def test_shared_outer_checkpoint_is_bridge_s_own_limit(bridge, megatron_cpu_training):
+    """Bridge 0.6.2's PackedPerExpertLinear.sharded_state_dict omits a required argument of its
+    own helper, whatever the base (TE grouped linears alike); nothing of ours is involved."""
+    model = gpt("torch")
+    bridge["LoRA"](target_modules=TARGETS, dim=8, experts_shared_outer_loras=True)(model)
+    with pytest.raises(TypeError, match="_make_grouped_expert_sharded_tensor.*pg_collection"):
+        model.sharded_state_dict()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["shared", "per_expert", "shared_outer"])
+def test_merge_folds_expert_adapters_into_the_packed_weights(bridge, megatron_cpu, layout, dtype):
+    config = make_config(dtype=dtype, moe_ffn_hidden_size=48)
+    root = experts_holder(config, megatron_cpu)
+    bridge["LoRA"](target_modules=["linear_fc1", "linear_fc2"], dim=16, alpha=8,
+                   **LAYOUTS[layout])(root)
+    randomize_adapters(root)
+    generator = torch.Generator().manual_seed(2)
+    splits = torch.tensor(SPLITS["zero_experts"])
+    x = torch.randn(int(splits.sum()), config.hidden_size, generator=generator).to(dtype)
+    probs = torch.rand(x.shape[0], generator=generator)
+    with torch.no_grad():
+        before, _ = root.mlp.experts(x, splits, probs)
+        names = merge_bridge_lora(root)
+        after, _ = root.mlp.experts(x, splits, probs)
+    assert names == ["mlp.experts.linear_fc1", "mlp.experts.linear_fc2"]
+    assert not any(".adapter." in n for n, _ in root.named_parameters())
+    for linear in (root.mlp.experts.linear_fc1, root.mlp.experts.linear_fc2):
+        assert isinstance(linear, TorchGroupedLinear)
+        assert all(w.data_ptr() == linear.packed_weight[i].data_ptr()
+                   for i, w in enumerate(linear.expert_weights()))
+    error = rel_err(after, before)
+    print(layout, dtype, f"merge rel err {error:.1e}")
+    assert error < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("layout", ["shared", "per_expert", "shared_outer"])
+@pytest.mark.parametrize("method", ["uniform", "block"])
+def test_full_recompute_with_both_guards_trains_every_adapter(bridge, megatron_cpu_training, method,
+                                                              layout):
+    from mcore_torch_experts.recompute import _ORIGINAL_FORWARD
+    from mcore_torch_experts.model import build_gpt_model
+
+    grads = []
+    for recompute in (None, method):
+        torch.manual_seed(0)
+        model = build_gpt_model(recompute_config(recompute), vocab_size=VOCAB,
+                                max_sequence_length=SEQ)  # our guard is installed
+        bridge["LoRA"](target_modules=TARGETS, dim=8, **LAYOUTS[layout])(model)  # and Bridge's
+        randomize_adapters(model)
+        grads.append(loss_and_grads(model)[1])
+    block = model.decoder
+    assert _ORIGINAL_FORWARD in vars(block) and block.forward.__wrapped__.__func__.__name__ == \
+        "_guarded_forward"  # Bridge's wrapper around ours, each once
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 4 * 4 * 2
+    assert all(grads[1][n].abs().sum() > 0 and rel_err(grads[1][n], grads[0][n]) < 1e-5
+               for n in grads[0])
