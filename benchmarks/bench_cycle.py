@@ -17,7 +17,7 @@ and cycle time, tokens/s, peak memory per phase and the speed-up over Sequential
 --profile, the update pass's GPU time by component (torch profiler; ranges from forward hooks,
 backward kernels attributed through autograd sequence numbers) and breakdown.png.
 
-    python benchmarks/bench_cycle.py --out-dir runs/cycle --profile            # one H200
+    python benchmarks/bench_cycle.py --out-dir runs/cycle --profile            # one H200, ~2 min
     torchrun --nproc-per-node 2 benchmarks/bench_cycle.py --ep 2 --profile     # EP=2, alltoall
     python benchmarks/bench_cycle.py --smoke                                   # CPU smoke (CI)
 """
@@ -452,7 +452,6 @@ def profile_update(cycle: Cycle, update_ms: float, device) -> dict:
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
                                            else [])
-    cycle.logprob_pass()
     with Ranges(cycle.model), profile(activities=activities) as prof:
         cycle.update_pass()
         sync(device)
@@ -587,7 +586,7 @@ def run_arm(arm, shape, config, batches, args, device, reference_logprobs):
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         tokens = args.micro_batches * args.micro_batch_size * args.seq * world
         row["tokens_per_s"] = tokens / (row["cycle_ms"] / 1e3)
-        if args.profile:
+        if args.profile and arm in args.profile_arms.split(","):
             row["profile"] = profile_update(cycle, row["update_ms"], device)
         return row, first
     except NotAvailable as exc:
@@ -623,15 +622,19 @@ def main():
     parser.add_argument("--cycles", type=int, default=3)
     parser.add_argument("--profile", action="store_true",
                         help="break one update pass down by component; writes breakdown.png")
+    parser.add_argument("--profile-arms", default="torch,te",
+                        help="arms to profile (SequentialMLP's update pass at 128 experts makes "
+                             "about a million profiler events: minutes to parse)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny model on the CPU (seconds): 2 layers, seq 32, 2 micro-batches "
-                             "of 2, 1 measured cycle, allgather dispatcher, --profile")
+                             "of 2, 1 measured cycle, allgather dispatcher, every arm profiled")
     args = parser.parse_args()
     if args.smoke:
         args.model, args.layers, args.seq, args.micro_batch_size = "tiny", 2, 32, 2
         args.micro_batches, args.rank, args.warmup, args.cycles = 2, 8, 1, 1
-        args.profile, args.dispatcher = True, "allgather"  # alltoall needs CUDA streams
+        args.profile, args.profile_arms = True, ",".join(ARMS)
+        args.dispatcher = "allgather"  # the alltoall dispatcher needs CUDA streams
         torch.set_num_threads(1)
     arms = args.arms.split(",")
     if set(arms) - set(ARMS):
