@@ -287,7 +287,8 @@ def reduce_adapter_grads(params) -> None:
             flat = torch.cat([g.flatten() for g in grads])
             torch.distributed.all_reduce(flat, group=group)
             flat /= torch.distributed.get_world_size(group)
-            torch._foreach_copy_(grads, list(flat.split([g.numel() for g in grads])))
+            parts = flat.split([g.numel() for g in grads])
+            torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(parts, grads)])
 
 
 def measure(cycle: Cycle, args, device) -> dict:
@@ -407,7 +408,8 @@ def _is_backward_node(event) -> bool:
 
 def classify(events, cuda: bool):
     """{component: µs} of the profiled ops' own GPU time (kernels they launched; on the CPU their
-    own CPU time), and the total device time of the profile (None on the CPU).
+    own CPU time), the recompute's µs by the component it re-runs, and the total device time of
+    the profile (None on the CPU).
 
     Forward ops (and the recompute's) take their innermost bench:: range. A backward op takes the
     component of the forward op with its autograd node's sequence number; ops that the
@@ -421,7 +423,7 @@ def classify(events, cuda: bool):
         if event.sequence_nr >= 0 and not _is_backward_node(event):
             forward.setdefault((event.thread, event.sequence_nr),
                                _innermost_range(_ancestors(event)))
-    totals = dict.fromkeys(COMPONENTS, 0.0)
+    totals, recompute = dict.fromkeys(COMPONENTS, 0.0), dict.fromkeys(COMPONENTS, 0.0)
     for event in cpu_events:
         own = (sum(k.duration for k in event.kernels) if cuda
                else event.self_cpu_time_total)
@@ -435,6 +437,7 @@ def classify(events, cuda: bool):
             component = _innermost_range(chain)
         elif node.name.endswith("CheckpointFunctionBackward"):
             component = RECOMPUTE
+            recompute[_innermost_range(chain)] += own
         elif node.name.endswith("AccumulateGrad"):
             component = ADAPTERS
         else:
@@ -442,12 +445,13 @@ def classify(events, cuda: bool):
         totals[component] += own
     device_total = (sum(e.time_range.elapsed_us() for e in events
                         if e.device_type == DeviceType.CUDA) if cuda else None)
-    return totals, device_total
+    return totals, recompute, device_total
 
 
 def profile_update(cycle: Cycle, update_ms: float, device) -> dict:
     """One profiled update pass: {component: ms} (the GPU idle share = the measured update time
-    minus the profiled device time), and the profiled device time."""
+    minus the profiled device time), the recompute's ms by component, and the profiled device
+    time."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
@@ -456,7 +460,7 @@ def profile_update(cycle: Cycle, update_ms: float, device) -> dict:
         cycle.update_pass()
         sync(device)
     started = time.perf_counter()
-    totals, device_total = classify(prof.events(), device.type == "cuda")
+    totals, recompute, device_total = classify(prof.events(), device.type == "cuda")
     attributed = sum(totals.values())
     if device_total is not None:  # device time no op claimed (e.g. kernels launched elsewhere)
         totals[OTHER] += max(0.0, device_total - attributed)
@@ -464,7 +468,8 @@ def profile_update(cycle: Cycle, update_ms: float, device) -> dict:
     ms = {k: v / 1e3 for k, v in totals.items()}
     ms[IDLE] = max(0.0, update_ms - busy_ms) if device.type == "cuda" else 0.0
     print(f"[cycle]   profile parsed in {time.perf_counter() - started:.1f} s", flush=True)
-    return {"ms": ms, "busy_ms": busy_ms}
+    return {"ms": ms, "recompute_ms": {k: v / 1e3 for k, v in recompute.items()},
+            "busy_ms": busy_ms}
 
 
 # --- report --------------------------------------------------------------------------------------
@@ -490,14 +495,18 @@ def results_table(rows) -> list:
 
 def breakdown_table(rows) -> list:
     profiled = [r for r in rows if "profile" in r]
-    headers = ["component"] + [f"{r['module']} {unit}" for r in profiled for unit in ("ms", "share")]
+    headers = ["component"] + [f"{r['module']} {unit}" for r in profiled
+                               for unit in ("ms", "share", "recompute ms")]
     lines = []
     for component in COMPONENTS + ["total"]:
         cells = [component]
         for r in profiled:
             total = sum(r["profile"]["ms"].values())
             value = r["profile"]["ms"].get(component, total)
-            cells += [f"{value:.1f}", f"{100 * value / total:.1f}%" if total else "—"]
+            again = r["profile"]["recompute_ms"]
+            again = sum(again.values()) if component in (RECOMPUTE, "total") else again[component]
+            cells += [f"{value:.1f}", f"{100 * value / total:.1f}%" if total else "—",
+                      f"{again:.1f}" if again else ""]
         lines.append(cells)
     return markdown_table(headers, lines)
 
@@ -508,7 +517,7 @@ def plot_breakdown(rows, path) -> bool:
     plt = pyplot()
     if plt is None or not profiled:
         return False
-    fig, ax = plt.subplots(figsize=(3 + 2 * len(profiled), 5))
+    fig, ax = plt.subplots(figsize=(4.5 + 1.8 * len(profiled), 5))
     colors = plt.get_cmap("tab20").colors
     bottoms = [0.0] * len(profiled)
     for i, component in enumerate(COMPONENTS):
@@ -517,7 +526,7 @@ def plot_breakdown(rows, path) -> bool:
                color="lightgrey" if component == IDLE else colors[i % len(colors)])
         bottoms = [b + v for b, v in zip(bottoms, values)]
     ax.set_ylabel("update pass, ms")
-    ax.set_title("update pass (forward + recompute + backward + optimizer) by component")
+    ax.set_title("update pass by component", fontsize=10)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -550,10 +559,10 @@ def describe(shape, args, world) -> list:
     ]
 
 
-def write_report(out_dir, lines_header, rows, profiled) -> str:
+def write_report(out_dir, lines_header, rows) -> str:
     lines = ["# RL cycle benchmark", ""] + [f"- {h}" for h in lines_header] + [""]
     lines += ["## Cycle", ""] + results_table(rows) + [""]
-    if profiled:
+    if any("profile" in r for r in rows):
         lines += ["## Update pass by component (torch profiler)", "",
                   "GPU time of the kernels each component launched in one profiled update pass "
                   "(forward, recompute, backward, optimizer step; backward kernels go to the "
@@ -561,7 +570,8 @@ def write_report(out_dir, lines_header, rows, profiled) -> str:
                   "the forward the checkpoint re-runs); `other` is the device time no component "
                   "claimed; `GPU idle` is the measured update time minus the profiled device "
                   "time. Shares of the sum, which is the measured update time when the GPU is "
-                  "never oversubscribed.", ""]
+                  "never oversubscribed. `recompute ms`: the recompute's part by the component "
+                  "it re-runs (its total on the recompute row).", ""]
         lines += breakdown_table(rows) + [""]
     text = "\n".join(lines)
     (out_dir / "results.md").write_text(text)
@@ -642,8 +652,7 @@ def main():
     arms.sort(key=lambda a: a != REFERENCE)  # the reference first: the others compare with it
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
         if torch.cuda.is_available() and not args.smoke else torch.device("cpu")
-    for noise in (".*Transformer Engine and Apex are not installed.*", "full scope is deprecated",
-                  ".*apex.*", ".*TE.*"):
+    for noise in (".*Transformer Engine and Apex are not installed.*", "full scope is deprecated"):
         warnings.filterwarnings("ignore", message=noise)
 
     init_parallel(args.ep, device)
@@ -670,12 +679,12 @@ def main():
     if not rank0:
         return
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    text = write_report(args.out_dir, lines_header, rows, args.profile)
+    text = write_report(args.out_dir, lines_header, rows)
     (args.out_dir / "results.json").write_text(json.dumps(
         {"header": lines_header, "args": {k: str(v) for k, v in vars(args).items()},
          "rows": rows}, indent=1))
     written = ["results.md", "results.json"]
-    if args.profile and plot_breakdown(rows, args.out_dir / "breakdown.png"):
+    if plot_breakdown(rows, args.out_dir / "breakdown.png"):
         written.append("breakdown.png")
     print(text, flush=True)
     print(f"[cycle] wrote {', '.join(written)} to {args.out_dir}", flush=True)
