@@ -676,8 +676,16 @@ def main():
         if arm == REFERENCE:
             reference = first
         rows.append(row)
-    if not rank0:
-        return
+        if rank0:  # after every arm: a run cut short still leaves the arms it finished
+            text, written = write_results(args, lines_header, rows)
+    if rank0:
+        print(text, flush=True)
+        print(f"[cycle] wrote {', '.join(written)} to {args.out_dir}", flush=True)
+
+
+def write_results(args, lines_header, rows):
+    """results.md, results.json and (with a profile) breakdown.png under --out-dir: the report's
+    text and the names written."""
     args.out_dir.mkdir(parents=True, exist_ok=True)
     text = write_report(args.out_dir, lines_header, rows)
     (args.out_dir / "results.json").write_text(json.dumps(
@@ -686,9 +694,7 @@ def main():
     written = ["results.md", "results.json"]
     if plot_breakdown(rows, args.out_dir / "breakdown.png"):
         written.append("breakdown.png")
-    print(text, flush=True)
-    print(f"[cycle] wrote {', '.join(written)} to {args.out_dir}", flush=True)
-
+    return text, written
 
 if __name__ == "__main__":
     main()
