@@ -17,7 +17,7 @@ and cycle time, tokens/s, peak memory per phase and the speed-up over Sequential
 --profile, the update pass's GPU time by component (torch profiler; ranges from forward hooks,
 backward kernels attributed through autograd sequence numbers) and breakdown.png.
 
-    python benchmarks/bench_cycle.py --out-dir runs/cycle --profile            # one H200, ~2 min
+    python benchmarks/bench_cycle.py --out-dir runs/cycle --profile            # one H200
     torchrun --nproc-per-node 2 benchmarks/bench_cycle.py --ep 2 --profile     # EP=2, alltoall
     python benchmarks/bench_cycle.py --smoke                                   # CPU smoke (CI)
 """
