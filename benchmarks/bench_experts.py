@@ -11,7 +11,8 @@ BF16 weights:
   - the raw grouped_mm pair written with plain torch ops (no module, no autograd), and its four
     GEMMs alone;
   - the dense GEMMs of the same FLOPs: the ceiling;
-  - Megatron's SequentialMLP, TEGroupedMLP and legacy GroupedMLP ("not installed" when absent).
+  - Megatron's SequentialMLP, TEGroupedMLP and legacy GroupedMLP ("not installed" when absent,
+    "not available" where the installed megatron-core has no such module).
 Also: extra peak memory over the inputs, memory held from forward to backward, host time per
 step, host syncs (torch.cuda sync debug mode) and, for TorchGroupedMLP's paths, whether a step
 blocks the host (queued behind a GPU sleep, it returns only after the sleep), relative error against
@@ -26,26 +27,21 @@ and ceiling.png to --out-dir. --tiny (automatic without CUDA) runs small shapes 
 
 import argparse
 import json
-import os
-import platform
-import shlex
-import statistics
-import subprocess
 import sys
 import time
 import traceback
 import warnings
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from bench_common import MIB, fmt, median_ms, peak_bytes, pyplot, ratio, reset_peak, version
+from bench_common import header as bench_header
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # runs from a checkout without installing the package
-MIB = 2.0 ** 20
 SLEEP_CYCLES = 500_000_000  # GPU sleep of ~0.25 s ahead of the host-blocking probe
 
 
@@ -103,7 +99,7 @@ class Impl:
 
 
 class NotInstalled(Exception):
-    pass
+    """An optional module that cannot run here; the message is the table's note."""
 
 
 # --- setup ---------------------------------------------------------------------------------------
@@ -178,7 +174,7 @@ def build_te(config, pg, ours):
             TERowParallelGroupedLinear,
         )
     except ImportError as exc:
-        raise NotInstalled(str(exc)) from exc
+        raise NotInstalled(f"not installed: {exc}") from exc
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import TEGroupedMLP
 
@@ -193,11 +189,15 @@ def build_te(config, pg, ours):
 
 
 def build_legacy(config, pg, ours):
-    from megatron.core.transformer.moe import grouped_gemm_util
-    from megatron.core.transformer.moe.experts import GroupedMLP
+    from mcore_torch_experts import _compat
 
-    if not grouped_gemm_util.grouped_gemm_is_available():
-        raise NotInstalled("grouped_gemm")
+    legacy_module = _compat.legacy_grouped_mlp()
+    if legacy_module is None:
+        raise NotInstalled(f"not available: megatron-core {version('megatron-core')} has no "
+                           "legacy GroupedMLP (removed in 0.17)")
+    GroupedMLP, grouped_gemm_is_available = legacy_module
+    if not grouped_gemm_is_available():
+        raise NotInstalled("not installed: grouped_gemm")
     legacy = GroupedMLP(config.num_moe_experts, config, pg_collection=pg)
     experts = config.num_moe_experts
     w1 = legacy.weight1.data.view(experts, config.hidden_size, -1)  # [E, in, out], transposed
@@ -317,7 +317,7 @@ class Meter:
     """Median times (CUDA events, or the wall clock on the CPU), memory, syncs, host blocking."""
 
     def __init__(self, device, warmup, reps, flush_l2):
-        self.cuda = device.type == "cuda"
+        self.device, self.cuda = device, device.type == "cuda"
         self.warmup, self.reps = warmup, reps
         self.l2 = torch.empty(256 * 2 ** 20, dtype=torch.int8, device=device) if flush_l2 else None
 
@@ -327,39 +327,18 @@ class Meter:
 
     def time(self, fn):
         """(median device ms, median host ms) of fn; on the CPU both are the wall clock."""
-        for _ in range(self.warmup):
-            fn()
-        self.sync()
-        device, host = [], []
-        for _ in range(self.reps):
-            if self.l2 is not None:
-                self.l2.zero_()
-            if self.cuda:
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-            t0 = time.perf_counter()
-            fn()
-            host.append((time.perf_counter() - t0) * 1e3)
-            if self.cuda:
-                end.record()
-                device.append((start, end))
-        self.sync()
-        device = [s.elapsed_time(e) for s, e in device] if self.cuda else host
-        return statistics.median(device), statistics.median(host)
+        return median_ms(fn, self.device, self.warmup, self.reps,
+                         before=self.l2.zero_ if self.l2 is not None else None)
 
     def memory(self, impl):
         """(extra peak MiB over the step, MiB held from forward to backward) above the inputs."""
-        self.sync()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
+        base = reset_peak(self.device)
         out, ctx = impl.forward()
         self.sync()
         held = torch.cuda.memory_allocated() - base
         impl.backward(ctx)
         del out, ctx
-        self.sync()
-        return (torch.cuda.max_memory_allocated() - base) / MIB, held / MIB
+        return (peak_bytes(self.device) - base) / MIB, held / MIB
 
     def count_syncs(self, fn):
         """Host syncs torch's sync debug mode reports while fn runs."""
@@ -433,8 +412,8 @@ def guarded_build(build, *args):
     """An optional module, or the note that says why there is none."""
     try:
         return build(*args)
-    except NotInstalled:
-        return "not installed"
+    except NotInstalled as exc:
+        return str(exc)
     except Exception as exc:  # noqa: BLE001
         return error_note(exc)
 
@@ -609,35 +588,11 @@ class ShapeBench:
 # --- report --------------------------------------------------------------------------------------
 
 def environment(args, device):
-    """Header lines: command, machine and versions."""
-    def version(dist):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return "not installed"
-
+    """Header lines: command, machine and versions, and how this benchmark times."""
     from mcore_torch_experts import find_grouped_mm
 
-    lines = [f"command: `{shlex.join(['python3', *sys.argv])}`",
-             f"date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}"]
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        try:
-            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
-                                     "--format=csv,noheader"], capture_output=True, text=True,
-                                    timeout=30).stdout.split("\n")[0].strip() or "unknown"
-        except (OSError, subprocess.SubprocessError):
-            driver = "unknown"
-        lines.append(f"GPU: {props.name}, {props.multi_processor_count} SMs, "
-                     f"{props.total_memory / 2 ** 30:.0f} GiB; driver {driver}; "
-                     f"CUDA {torch.version.cuda}")
-    else:
-        lines.append(f"device: CPU ({platform.processor() or platform.machine()}), tiny shapes; "
-                     "times are wall clock and say nothing about GPU speed")
-    lines.append(f"python {platform.python_version()}, torch {torch.__version__}, "
-                 f"triton {version('triton')}, megatron-core {version('megatron-core')}, "
-                 f"transformer-engine {version('transformer-engine')}, "
-                 f"grouped_gemm {version('grouped_gemm')}; grouped GEMM: {find_grouped_mm().name}")
+    lines = bench_header(device)
+    lines[-1] += f"; grouped GEMM: {find_grouped_mm().name}"
     lines.append(f"timing: warmup {args.warmup}, median of {args.reps}, L2 flush "
                  f"{'on' if args.flush_l2 else 'off'}; skewed routing: Zipf {args.zipf} over a "
                  f"seeded expert order (seed {args.seed}); weights frozen, bf16; probs FP32 "
@@ -652,14 +607,6 @@ def matmul_tflops(device):
     meter = Meter(device, 3, 10, False)
     ms, _ = meter.time(lambda: a @ b)
     return 2 * 8192 ** 3 / ms / 1e9
-
-
-def fmt(value, spec=".3f"):
-    return "—" if value is None else format(value, spec)
-
-
-def ratio(num, den):
-    return None if num is None or den is None else num / den
 
 
 def table(results):
@@ -760,13 +707,8 @@ def sweep_table(sweep):
 
 def plots(out_dir, results, sweep):
     """sweep.png (time against local experts) and ceiling.png (fraction of the ceiling)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("[bench] matplotlib not installed: no plots", flush=True)
+    plt = pyplot()
+    if plt is None:
         return []
     written = []
     if sweep:

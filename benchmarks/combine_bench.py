@@ -25,20 +25,17 @@ interpreter. Does not import Megatron-Core (loads mcore_torch_experts.combine on
 import argparse
 import importlib
 import os
-import platform
 import re
-import shlex
-import statistics
-import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 
 import torch
 
+from bench_common import GIB, MIB, markdown_table, median_ms, peak_bytes, pyplot, reset_peak
+from bench_common import header as bench_header
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-GIB = 2.0 ** 30
 
 # On the CPU the script re-executes itself with these set: glibc then maps every buffer of 64 KiB
 # or more separately and unmaps it when freed, so peak RSS sees each temporary; and the Triton
@@ -98,48 +95,23 @@ class Meter:
     """Timing and extra-peak-memory measurement: CUDA allocator stats, or CPU wall clock and RSS."""
 
     def __init__(self, device):
-        self.cuda = device.type == "cuda"
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
+        self.device, self.cuda = device, device.type == "cuda"
 
     def median_ms(self, fn, warmup, repeats, queued=False):
-        """Median time of fn. On CUDA, queued=True first puts the GPU to sleep for ~25 ms so that
-        all of fn's kernels are enqueued before the start event fires: device time only, as inside
-        a busy training step (launches that outlast the sleep still show). queued=False starts on
-        an idle GPU and includes launch latency."""
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(repeats):
-            self.sync()
-            if self.cuda:
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                if queued:
-                    torch.cuda._sleep(50_000_000)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                start = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
+        """Median time of fn, each call from an idle device. On CUDA, queued=True first puts the
+        GPU to sleep for ~25 ms so that all of fn's kernels are enqueued before the start event
+        fires: device time only, as inside a busy training step (launches that outlast the sleep
+        still show). queued=False starts on an idle GPU and includes launch latency."""
+        sleep = (lambda: torch.cuda._sleep(50_000_000)) if queued and self.cuda else None
+        return median_ms(fn, self.device, warmup, repeats, before=sleep, sync_each=True)[0]
 
     def peak_extra_bytes(self, fn):
         """Peak memory above what is allocated when fn starts (None where it cannot be measured)."""
-        self.sync()
         if self.cuda:
             torch.cuda.empty_cache()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
+            base = reset_peak(self.device)
             fn()
-            self.sync()
-            return torch.cuda.max_memory_allocated() - base
+            return peak_bytes(self.device) - base
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
@@ -253,17 +225,7 @@ def triton_status(device):
 
 
 def header(device, meter_note, triton_note, with_probs, args):
-    lines = [f"command: {shlex.join([sys.executable] + sys.argv)}",
-             f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
-             f"python {platform.python_version()}, torch {torch.__version__}, "
-             f"triton {_version('triton')}, platform {platform.platform()}"]
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        lines.append(f"device: {props.name}, {props.total_memory / GIB:.1f} GiB, CUDA "
-                     f"{torch.version.cuda}, driver {_nvidia_driver()}")
-    else:
-        lines.append(f"device: CPU ({platform.processor() or platform.machine()}, "
-                     f"{torch.get_num_threads()} threads)")
+    lines = bench_header(device, packages=("triton",))
     lines.append(f"memory: {meter_note}")
     clock = ("CUDA events; 'ms' starts on an idle GPU (includes launch latency), 'GPU ms' starts "
              "after the kernels are queued behind a sleep (device time only)"
@@ -276,24 +238,9 @@ def header(device, meter_note, triton_note, with_probs, args):
     return lines
 
 
-def _version(module):
-    try:
-        return importlib.import_module(module).__version__
-    except ImportError:
-        return "not installed"
-
-
-def _nvidia_driver():
-    try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
-    except (OSError, subprocess.SubprocessError):
-        return "unknown (no nvidia-smi)"
-
-
 def format_row(row, unit):
     """Table cells: errors in scientific notation, times in ms, memory in `unit` ("GiB"/"MiB")."""
-    scale = GIB if unit == "GiB" else 2.0 ** 20
+    scale = GIB if unit == "GiB" else MIB
 
     def cell(key):
         value = row[key]
@@ -317,26 +264,19 @@ COLUMNS = ["method", "y err", "grad err", "probs grad err", "fwd ms", "fwd+bwd m
            "fwd extra over acc", "fwd+bwd extra", "fwd+bwd extra over acc", "bitwise repro"]
 
 
-def markdown_table(title, rows, unit):
+def results_table(title, rows, unit):
     headers = [f"{c} {unit}" if "extra" in c else c for c in COLUMNS]
-    lines = [f"### {title}", "", "| " + " | ".join(headers) + " |", "|" + "---|" * len(COLUMNS)]
-    for row in rows:
-        cells = format_row(row, unit)
-        lines.append("| " + " | ".join(cells[c] for c in COLUMNS) + " |")
-    return "\n".join(lines)
+    cells = [format_row(row, unit) for row in rows]
+    return "\n".join([f"### {title}", ""] + markdown_table(
+        headers, [[c[column] for column in COLUMNS] for c in cells]))
 
 
 def plot(results, path, unit):
     """Extra peak memory and time against chunk rows, one row of panels per shape."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not importable: no plot written")
+    plt = pyplot()
+    if plt is None:
         return
-    scale = GIB if unit == "GiB" else 2.0 ** 20
+    scale = GIB if unit == "GiB" else MIB
     fig, axes = plt.subplots(len(results), 2, figsize=(12, 4.5 * len(results)), squeeze=False)
     for (shape, (num_rows, rows)), (ax_mem, ax_time) in zip(results.items(), axes):
         swept = sorted((r for r in rows if r["method"].startswith("torch")),
@@ -425,7 +365,7 @@ def main():
                   f"repro {cells['bitwise repro']}", flush=True)
         del inputs
         results[shape] = (num_rows, rows)
-        tables.append(markdown_table(f"{shape}: T={tokens}, top-{top_k}, H={hidden}, N={num_rows} "
+        tables.append(results_table(f"{shape}: T={tokens}, top-{top_k}, H={hidden}, N={num_rows} "
                                      f"({'CUDA' if meter.cuda else 'CPU'})", rows, unit))
     report = "\n".join(f"    {line}" for line in lines) + "\n\n" + "\n\n".join(tables) + "\n"
     print("\n" + report)

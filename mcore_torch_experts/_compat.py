@@ -255,3 +255,20 @@ def experts_process_groups(experts) -> ProcessGroupCollection:
     groups = ProcessGroupCollection(ep=experts.ep_group, expt_tp=experts.tp_group)
     groups.expt_dp = getattr(experts, "dp_group", None) or default_pg_collection(None).expt_dp
     return groups
+
+
+# --- The legacy GroupedMLP ------------------------------------------------------------------------
+# 0.16: megatron.core.transformer.moe.experts.GroupedMLP, with grouped_gemm_util (it needs the
+# grouped_gemm package). 0.17+: both removed.
+
+
+def legacy_grouped_mlp():
+    """(GroupedMLP, grouped_gemm_is_available) where this release has the legacy module, else
+    None (0.17+)."""
+    from megatron.core.transformer.moe import experts
+
+    if not hasattr(experts, "GroupedMLP"):
+        return None
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    return experts.GroupedMLP, grouped_gemm_util.grouped_gemm_is_available
