@@ -83,3 +83,40 @@ def describe_layers(model) -> str:
     return ", ".join(f"{i}: {type(layer.mlp.experts).__name__}" if hasattr(layer.mlp, "experts")
                      else f"{i}: dense {type(layer.mlp).__name__}"
                      for i, layer in enumerate(model.decoder.layers))
+
+
+def import_megatron_bridge():
+    """`import megatron.bridge`, on a host without Transformer Engine too.
+
+    Megatron-Bridge's `peft/lora_layers.py` runs `import transformer_engine.pytorch as te`
+    unconditionally (and uses `te.Linear`, `te.LayerNormLinear`, `te.ops.Sequential` in
+    isinstance checks and annotations). Without TE, a stand-in module with those three names
+    (classes nothing is an instance of) is visible while Bridge is imported and removed right
+    after, so Megatron-Core, which decided HAVE_TE=False when it was imported first, keeps
+    running without TE. With TE installed nothing is stood in.
+    """
+    import importlib.util
+    import sys
+    import types
+
+    import megatron.core.extensions.transformer_engine  # noqa: F401  (HAVE_TE decided now)
+    import megatron.core.models.hybrid.hybrid_layer_specs  # noqa: F401  (idem, via Bridge)
+    import megatron.training  # noqa: F401  (idem)
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        import megatron.bridge
+        return megatron.bridge
+
+    class _NoTEModule:
+        """No object is an instance of this: Bridge's TE branches are never taken."""
+
+    te = types.ModuleType("transformer_engine")
+    te.pytorch = types.ModuleType("transformer_engine.pytorch")
+    te.pytorch.Linear = te.pytorch.LayerNormLinear = _NoTEModule
+    te.pytorch.ops = types.SimpleNamespace(Sequential=_NoTEModule)
+    sys.modules.update({"transformer_engine": te, "transformer_engine.pytorch": te.pytorch})
+    try:
+        import megatron.bridge
+    finally:
+        del sys.modules["transformer_engine"], sys.modules["transformer_engine.pytorch"]
+    return megatron.bridge

@@ -1,5 +1,6 @@
 """Every difference between the supported Megatron-Core releases (0.16.x to 0.19.x)."""
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -59,8 +60,6 @@ def expert_rng_fork():
     tracker = get_cuda_rng_tracker()
     if torch.cuda.is_available() and tracker.is_initialized():
         return tracker.fork(get_expert_parallel_rng_tracker_name())
-    import contextlib
-
     return contextlib.nullcontext()
 
 
@@ -272,3 +271,26 @@ def legacy_grouped_mlp():
     from megatron.core.transformer.moe import grouped_gemm_util
 
     return experts.GroupedMLP, grouped_gemm_util.grouped_gemm_is_available
+
+
+# --- Dense-to-MoE upcycling ----------------------------------------------------------------------
+# 0.16 to 0.19 (upcycling_utils.py identical): `_get_config` chooses the target key layout with
+# `isinstance(experts, SequentialMLP)` / `isinstance(experts, TEGroupedMLP)`, looking both names up
+# in the module's globals at call time, and raises TypeError for any other experts class.
+
+
+@contextlib.contextmanager
+def upcycling_accepts_as_te_grouped_mlp(experts_class):
+    """Within the context, Megatron's upcycling takes `experts_class` modules for TEGroupedMLP's
+    layout (`experts.linear_fc{1,2}.weight{i}`); the module global is restored on exit."""
+    from megatron.core.transformer.moe import upcycling_utils
+
+    accepted = upcycling_utils.TEGroupedMLP
+    if isinstance(accepted, tuple) and experts_class in accepted:  # nested: already accepted
+        yield
+        return
+    upcycling_utils.TEGroupedMLP = (accepted, experts_class)
+    try:
+        yield
+    finally:
+        upcycling_utils.TEGroupedMLP = accepted

@@ -54,6 +54,11 @@ class TorchGroupedLinear(torch.nn.Module):
         else:
             local_out, local_in, partition_dim = output_size, input_size // tp_size, 1
         self.in_features, self.out_features = local_in, local_out
+        # The weights' tensor-parallel attributes, on the module too: weight converters that
+        # classify a module by them (Megatron-Bridge's AutoMapping) see fc1 as column-parallel
+        # and fc2 as row-parallel, as they do TE's grouped linears by class name.
+        self.tensor_model_parallel = True
+        self.partition_dim = partition_dim
         entry = find_grouped_mm()
         self.grouped_mm_name, self._grouped_mm = entry.name, entry.fn
 
