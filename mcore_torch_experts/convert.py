@@ -87,8 +87,9 @@ def _refuse_wrapped_linears(experts, name: str) -> None:
         more = f" (and {len(wrapped) - 1} more)" if len(wrapped) > 1 else ""
         raise ValueError(
             f"convert_experts_to_torch: {wrapped[0]}{more} already carries a LoRA adapter; the "
-            "expert weights cannot be taken over through it. Convert before adding adapters: build the model, call convert_experts_to_torch, then apply_lora. "
-            "The model is unchanged."
+            "expert weights cannot be taken over through it. Convert before adding adapters: "
+            "build the model, call convert_experts_to_torch, then apply_lora. The model is "
+            "unchanged."
         )
 
 
