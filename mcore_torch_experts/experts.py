@@ -97,8 +97,8 @@ class TorchGroupedLinear(torch.nn.Module):
 
     def register_parameter(self, name: str, param: Optional[torch.nn.Parameter]) -> None:
         """Registering `weightN` (`linear.weightN = Parameter(...)`, `load_state_dict(...,
-        assign=True)`) replaces that expert for good: its values are cast into the buffer's slot
-        (dtype, and device unless the Parameter is elsewhere: then at the next forward) and the
+        assign=True)`) replaces that expert for good: its values are cast into its slot of the
+        buffer (at once when it is on the buffer's device, else at the next forward) and the
         Parameter becomes a view of it. The other experts are untouched; a shape mismatch is
         refused before anything changes."""
         index = self.__dict__.get("_weight_index", {}).get(name)
