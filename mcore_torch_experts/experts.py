@@ -60,6 +60,9 @@ class TorchGroupedLinear(torch.nn.Module):
         packed = torch.empty(num_experts, local_out, local_in, dtype=config.params_dtype,
                              device=device)
         self.register_buffer("packed_weight", packed, persistent=False)
+        self._packed = packed
+        """The module's own buffer: what `packed_weight` holds, except while
+        torch.func.functional_call substitutes a tensor for it (ignored: the weights count)."""
         self._register_load_state_dict_pre_hook(self._drop_per_expert_extra_states)
         expert_parallel = config.expert_model_parallel_size > 1
         self._weight_names = [f"weight{i}" for i in range(num_experts)]
@@ -104,18 +107,18 @@ class TorchGroupedLinear(torch.nn.Module):
         index = self.__dict__.get("_weight_index", {}).get(name)
         if index is None:
             return super().register_parameter(name, param)
-        expected = list(self.packed_weight.shape[1:])
+        expected = list(self._packed.shape[1:])
         if param is None or list(param.shape) != expected:
             got = None if param is None else list(param.shape)
             raise ValueError(f"{self.name}.{name}: a replacement must be a Parameter of shape "
                              f"{expected} (it is cast into the packed weight), got {got}")
         super().register_parameter(name, param)
         self._own_weights[index] = param
-        if param.device == self.packed_weight.device and not self._views_slot(index, param):
+        if param.device == self._packed.device and not self._views_slot(index, param):
             self._repack([index])
 
     def _views_slot(self, index: int, weight: torch.Tensor) -> bool:
-        packed = self.packed_weight
+        packed = self._packed
         return (weight.dtype == packed.dtype and weight.device == packed.device
                 and weight.data_ptr() == packed[index].data_ptr())
 
@@ -125,7 +128,8 @@ class TorchGroupedLinear(torch.nn.Module):
         A registered `weightN` that no longer views its slot (`.data` swapped) is repacked for
         good. A substitute (torch.func.functional_call) is used for this call only: the weights
         are stacked into a temporary [E, out, in], and neither the buffer nor the substitute is
-        written. With `refuse_trainable`, a `weightN` that requires grad is an error.
+        written; a tensor substituted for `packed_weight` itself is neither used nor written.
+        With `refuse_trainable`, a `weightN` that requires grad is an error.
         """
         stale, substituted = [], False
         for i, w in enumerate(self.expert_weights()):
@@ -137,13 +141,13 @@ class TorchGroupedLinear(torch.nn.Module):
                 stale.append(i)
         if stale:
             self._repack(stale)
-        if substituted:
+        if substituted or self._buffers["packed_weight"] is not self._packed:
             return self._substituted_weight()
-        return self.packed_weight
+        return self._packed
 
     def _substituted_weight(self) -> torch.Tensor:
         """[E, out, in]: the weights held now, in the buffer's dtype and device."""
-        packed = self.packed_weight
+        packed = self._packed
         weights = self.expert_weights()
         for i, w in enumerate(weights):
             if w.shape != packed.shape[1:]:
@@ -157,27 +161,27 @@ class TorchGroupedLinear(torch.nn.Module):
         buffer follows them there. The buffer is never an inference tensor, whatever mode this
         runs in."""
         own = self._own_weights
-        expected = self.packed_weight.shape[1:]
+        expected = self._packed.shape[1:]
         for i in stale:
             if own[i].shape != expected:
                 raise ValueError(f"{self.name}.weight{i} has shape {list(own[i].shape)}, "
                                  f"expected {list(expected)}")
         devices = {w.device for w in own}
         with torch.no_grad(), torch.inference_mode(False):
-            packed = self.packed_weight
+            packed = self._packed
             if len(devices) == 1 and packed.device not in devices:
                 packed = torch.empty_like(packed, device=devices.pop())
                 stale = range(self.num_experts)
             for i in stale:
                 packed[i].copy_(own[i])
-            self._buffers["packed_weight"] = packed
+            self._buffers["packed_weight"] = self._packed = packed
             for i in stale:
                 own[i].data = packed[i]
 
     def _apply(self, fn, recurse=True):
         # Move/cast the buffer once and keep every expert Parameter a view of it.
-        packed = fn(self.packed_weight)
-        self._buffers["packed_weight"] = packed
+        packed = fn(self._packed)
+        self._buffers["packed_weight"] = self._packed = packed
         for i, weight in enumerate(self._own_weights):
             weight.data = packed[i]
             if weight.grad is not None:

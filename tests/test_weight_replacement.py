@@ -74,6 +74,23 @@ def test_functional_call_substitute_lasts_one_call(megatron_cpu, as_parameter):
     assert_matches_fp64(config, experts(x, SPLITS, probs)[0], fc1, fc2, x, probs)
 
 
+def test_functional_call_substituting_the_buffer_neither_uses_nor_writes_it(megatron_cpu):
+    """`functional_call(model, {**params, **buffers})` with copied buffers: the copy of the
+    internal packed buffer is ignored (the weights count), and the module keeps its own."""
+    config, experts = build(megatron_cpu)
+    x, probs = inputs(torch.float32)
+    fc1, fc2 = weights(experts)
+    own = experts.linear_fc1.packed_weight
+    given = torch.zeros_like(own)
+
+    out, _ = functional_call(experts, {"linear_fc1.packed_weight": given}, (x, SPLITS, probs))
+
+    assert_matches_fp64(config, out, fc1, fc2, x, probs)
+    assert torch.equal(given, torch.zeros_like(own))
+    assert experts.linear_fc1.packed_weight is own
+    assert_views_its_buffer(experts)
+
+
 def test_functional_call_with_a_trainable_substitute_is_refused_under_grad_mode(megatron_cpu):
     _, experts = build(megatron_cpu)
     x, probs = inputs(torch.float32)
