@@ -161,24 +161,24 @@ def hybrid_pattern_kwarg(model_class) -> str:
     return "hybrid_layer_pattern" if "hybrid_layer_pattern" in params else "hybrid_override_pattern"
 
 
-# --- Full activation recompute ------------------------------------------------------------------
-# 0.16/0.17: TransformerBlock._checkpointed_forward; MambaStack has no full recompute.
+# --- Activation recompute -----------------------------------------------------------------------
+# 0.16/0.17: TransformerBlock._checkpointed_forward runs full recompute; MambaStack
+#            (megatron.core.ssm.mamba_block) has none, but its attention, MLP and MoE layers are
+#            TransformerLayers that run the selective recompute of their config.
 # 0.18+:     module-level megatron.core.recompute.checkpointed_forward, imported by name into
 #            transformer_block.py and models/hybrid/hybrid_block.py (HybridStack; MambaStack is
-#            an alias). Both keep `forward(hidden_states, ...)` as the entry point.
+#            an alias), so both run full recompute. Every block keeps `forward(hidden_states, ...)`.
 
 
-def full_recompute_block_classes() -> tuple:
-    """The block classes whose forward runs Megatron's full (re-entrant) recompute."""
+def recompute_block_classes() -> tuple:
+    """The block classes whose layers Megatron recomputes (full or selective recompute)."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     try:
-        from megatron.core.models.hybrid import hybrid_block
+        from megatron.core.models.hybrid.hybrid_block import HybridStack
     except ImportError:  # before 0.18
-        return (TransformerBlock,)
-    if hasattr(hybrid_block, "checkpointed_forward"):
-        return (TransformerBlock, hybrid_block.HybridStack)
-    return (TransformerBlock,)
+        from megatron.core.ssm.mamba_block import MambaStack as HybridStack
+    return (TransformerBlock, HybridStack)
 
 
 # --- Token dispatchers ---------------------------------------------------------------------------

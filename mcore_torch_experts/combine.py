@@ -128,10 +128,14 @@ def _rows_of(tensor: Optional[torch.Tensor], chunk: slice) -> Optional[torch.Ten
 
 
 def _add_rows(y, rows, token_ids, probs):
-    """y[token_ids[i]] += rows[i].float() * probs[i]; the FP32 copy lives only in this call."""
-    rows = rows.float()
+    """y[token_ids[i]] += rows[i].float() * probs[i]; the FP32 product lives only in this call.
+
+    `rows` is a view of the caller's expert_out: it is never written (for FP32 rows `.float()`
+    is the same tensor), the product is a new one.
+    """
     if probs is not None:
-        rows.mul_(probs.float().unsqueeze(1))
+        rows = rows * probs.float().unsqueeze(1)  # bf16 x fp32 promotes: one FP32 temporary
+    rows = rows.float()
     y.scatter_add_(0, token_ids.unsqueeze(1).expand_as(rows), rows)
 
 

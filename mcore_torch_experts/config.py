@@ -22,7 +22,8 @@ def _refuse(field: str, value, fix: str) -> None:
     )
 
 
-def _check_backend(backend) -> None:
+def check_backend(backend) -> None:
+    """Refuse a moe_expert_gemm_backend value outside BACKENDS, naming the allowed ones."""
     if backend not in BACKENDS:
         raise TorchExpertsConfigError(
             f"moe_expert_gemm_backend={backend!r} is not a backend: set it to one of {BACKENDS}."
@@ -121,14 +122,28 @@ def _check_shapes(config: TransformerConfig, ep_size: int, etp_size: int) -> Non
     if local_ffn % ALIGN_ELEMENTS:
         _refuse("moe_ffn_hidden_size", ffn,
                 f"the per-rank width {ffn}/{etp_size}={local_ffn} must be a multiple of "
-                f"{ALIGN_ELEMENTS} (grouped GEMM needs 16-byte strides); use a smaller "
-                "expert_tensor_parallel_size.")
+                f"{ALIGN_ELEMENTS} (grouped GEMM needs 16-byte strides); "
+                + _aligned_ffn_fix(ffn, etp_size))
     in_field = "hidden_size" if config.moe_latent_size is None else "moe_latent_size"
     in_size = getattr(config, in_field)
     if in_size % ALIGN_ELEMENTS:
         _refuse(in_field, in_size,
                 f"it must be a multiple of {ALIGN_ELEMENTS} (grouped GEMM needs 16-byte strides); "
                 "keep moe_expert_gemm_backend='transformer_engine' for this model.")
+
+
+def _aligned_ffn_fix(ffn: int, etp_size: int) -> str:
+    """The fix for a per-rank FFN width that is not a multiple of ALIGN_ELEMENTS: the largest
+    smaller expert_tensor_parallel_size that gives an aligned width, when there is one."""
+    usable = [etp for etp in range(etp_size - 1, 0, -1)
+              if ffn % etp == 0 and (ffn // etp) % ALIGN_ELEMENTS == 0]
+    if usable:
+        return (f"set expert_tensor_parallel_size={usable[0]} (per-rank width "
+                f"{ffn // usable[0]}).")
+    return (f"{ffn} is not a multiple of {ALIGN_ELEMENTS}, so no expert_tensor_parallel_size "
+            f"gives one. Choose a moe_ffn_hidden_size that is a multiple of "
+            f"{ALIGN_ELEMENTS * etp_size}, or keep moe_expert_gemm_backend='transformer_engine' "
+            "for this model.")
 
 
 def validate_torch_experts_config(config: TransformerConfig, ep_size: Optional[int] = None,
@@ -141,7 +156,7 @@ def validate_torch_experts_config(config: TransformerConfig, ep_size: Optional[i
     `etp_size` default to the config's parallel sizes; pass the process-group sizes when known.
     A config without the `moe_expert_gemm_backend` field counts as asking for "torch".
     """
-    _check_backend(getattr(config, "moe_expert_gemm_backend", "torch"))
+    check_backend(getattr(config, "moe_expert_gemm_backend", "torch"))
     _check_supported_settings(config)
     ep = ep_size if ep_size is not None else config.expert_model_parallel_size
     etp = etp_size if etp_size is not None else (config.expert_tensor_parallel_size or 1)
@@ -198,8 +213,12 @@ class TorchExpertsTransformerConfig(TransformerConfig):
     CUDA when importable, else torch)."""
 
     def __post_init__(self):
+        # The flags refused outright go first: Megatron's own checks of them (fp8 without
+        # Transformer Engine, say) would fail with a message that does not name the fix.
+        check_backend(self.moe_expert_gemm_backend)
+        if self.moe_expert_gemm_backend == "torch":
+            refuse_unsupported_flags(vars(self))
         super().__post_init__()
-        _check_backend(self.moe_expert_gemm_backend)
         if self.moe_expert_gemm_backend == "torch":
             validate_torch_experts_config(self)
         if self.moe_combine_in_fp32:

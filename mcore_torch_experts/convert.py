@@ -1,7 +1,8 @@
 """Swap the experts of an already built model (SequentialMLP, TEGroupedMLP) for TorchGroupedMLP.
 
 For models that someone else's provider builds: call it after the model is built and before
-adapters, DDP wrapping and the optimizer.
+adapters (a model whose expert linears already carry adapters is refused, unchanged), DDP
+wrapping and the optimizer.
 """
 
 import copy
@@ -70,11 +71,26 @@ def _validated_targets(root: torch.nn.Module) -> List[str]:
     names = []
     for name, module in root.named_modules():
         if isinstance(module, classes):
+            _refuse_wrapped_linears(module, name)
             validate_torch_experts_config(_build_config(module),
                                           _compat.group_size(module.ep_group),
                                           _compat.group_size(module.tp_group))
             names.append(name)
     return names
+
+
+def _refuse_wrapped_linears(experts, name: str) -> None:
+    """Adapters wrap an expert linear (`to_wrap`): its weights cannot be taken over."""
+    wrapped = [f"{name}.{sub}" for sub, module in experts.named_modules()
+               if hasattr(module, "to_wrap")]
+    if wrapped:
+        more = f" (and {len(wrapped) - 1} more)" if len(wrapped) > 1 else ""
+        raise ValueError(
+            f"convert_experts_to_torch: {wrapped[0]}{more} already carries a LoRA adapter; the "
+            "expert weights cannot be taken over through it. Convert before adding adapters: "
+            "build the model, call convert_experts_to_torch, then apply_lora. The model is "
+            "unchanged."
+        )
 
 
 def _expert_weights(experts) -> List[Tuple[torch.Tensor, torch.Tensor]]:

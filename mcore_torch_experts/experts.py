@@ -67,9 +67,17 @@ class TorchGroupedLinear(torch.nn.Module):
         packed = torch.empty(num_experts, local_out, local_in, dtype=config.params_dtype,
                              device=device)
         self.register_buffer("packed_weight", packed, persistent=False)
+        self._packed = packed
+        """The module's own buffer: what `packed_weight` holds, except while
+        torch.func.functional_call substitutes a tensor for it (ignored: the weights count)."""
         self._register_load_state_dict_pre_hook(self._drop_per_expert_extra_states)
         expert_parallel = config.expert_model_parallel_size > 1
         self._weight_names = [f"weight{i}" for i in range(num_experts)]
+        self._weight_index = {name: i for i, name in enumerate(self._weight_names)}
+        self._own_weights: List[torch.nn.Parameter] = [None] * num_experts
+        """The Parameter registered as each `weightN` (at construction or by a replacement);
+        a tensor put in `_parameters` without registering (torch.func.functional_call) is a
+        substitute for one call."""
         for i in range(num_experts):
             weight = torch.nn.Parameter(packed[i])
             set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
@@ -92,48 +100,96 @@ class TorchGroupedLinear(torch.nn.Module):
             with _compat.expert_rng_fork():
                 init_method(weight.data)
 
-    def expert_weights(self) -> List[torch.nn.Parameter]:
+    def expert_weights(self) -> List[torch.Tensor]:
+        """The tensors now held as `weight0 .. weight{E-1}` (substitutes during a
+        torch.func.functional_call)."""
         return [self._parameters[name] for name in self._weight_names]
 
+    def register_parameter(self, name: str, param: Optional[torch.nn.Parameter]) -> None:
+        """Registering `weightN` (`linear.weightN = Parameter(...)`, `load_state_dict(...,
+        assign=True)`) replaces that expert for good: its values are cast into its slot of the
+        buffer (at once when it is on the buffer's device, else at the next forward) and the
+        Parameter becomes a view of it. The other experts are untouched; a shape mismatch is
+        refused before anything changes."""
+        index = self.__dict__.get("_weight_index", {}).get(name)
+        if index is None:
+            return super().register_parameter(name, param)
+        expected = list(self._packed.shape[1:])
+        if param is None or list(param.shape) != expected:
+            got = None if param is None else list(param.shape)
+            raise ValueError(f"{self.name}.{name}: a replacement must be a Parameter of shape "
+                             f"{expected} (it is cast into the packed weight), got {got}")
+        super().register_parameter(name, param)
+        self._own_weights[index] = param
+        if param.device == self._packed.device and not self._views_slot(index, param):
+            self._repack([index])
+
+    def _views_slot(self, index: int, weight: torch.Tensor) -> bool:
+        packed = self._packed
+        return (weight.dtype == packed.dtype and weight.device == packed.device
+                and weight.data_ptr() == packed[index].data_ptr())
+
     def packed(self, refuse_trainable: bool = False) -> torch.Tensor:
-        """The packed weight [E, out, in], repacked first if any `weightN` was replaced; with
-        `refuse_trainable`, a `weightN` that requires grad is an error (one walk over E)."""
-        packed = self.packed_weight
-        stride = packed.stride(0) * packed.element_size()
-        base = packed.data_ptr()
-        stale = []
+        """The packed weight [E, out, in] for this call, with one walk over the experts.
+
+        A registered `weightN` that no longer views its slot (`.data` swapped) is repacked for
+        good. A substitute (torch.func.functional_call) is used for this call only: the weights
+        are stacked into a temporary [E, out, in], and neither the buffer nor the substitute is
+        written; a tensor substituted for `packed_weight` itself is neither used nor written.
+        With `refuse_trainable`, a `weightN` that requires grad is an error.
+        """
+        stale, substituted = [], False
         for i, w in enumerate(self.expert_weights()):
             if refuse_trainable and w.requires_grad:
                 raise RuntimeError(TRAINABLE_BASE_ERROR.format(name=self.name, param=f"weight{i}"))
-            if w.data_ptr() != base + i * stride or w.dtype != packed.dtype:
+            if w is not self._own_weights[i]:
+                substituted = True
+            elif not self._views_slot(i, w):
                 stale.append(i)
         if stale:
             self._repack(stale)
-        return self.packed_weight
+        if substituted or self._buffers["packed_weight"] is not self._packed:
+            return self._substituted_weight()
+        return self._packed
 
-    @torch.no_grad()
-    def _repack(self, stale: List[int]) -> None:
+    def _substituted_weight(self) -> torch.Tensor:
+        """[E, out, in]: the weights held now, in the buffer's dtype and device."""
+        packed = self._packed
         weights = self.expert_weights()
+        for i, w in enumerate(weights):
+            if w.shape != packed.shape[1:]:
+                raise ValueError(f"{self.name}.weight{i}: the substitute has shape "
+                                 f"{list(w.shape)}, expected {list(packed.shape[1:])}")
+        return torch.stack([w.to(dtype=packed.dtype, device=packed.device) for w in weights])
+
+    def _repack(self, stale: List[int]) -> None:
+        """Copy the registered weights `stale` (cast to the buffer's dtype) into their slots and
+        make them views again. When every weight sits on one other device (moved one by one) the
+        buffer follows them there. The buffer is never an inference tensor, whatever mode this
+        runs in."""
+        own = self._own_weights
+        expected = self._packed.shape[1:]
         for i in stale:
-            if weights[i].shape != self.packed_weight.shape[1:]:
-                raise ValueError(
-                    f"{self.name}.weight{i} has shape {list(weights[i].shape)}, expected "
-                    f"{list(self.packed_weight.shape[1:])}"
-                )
-        reference = weights[stale[0]]
-        if reference.dtype != self.packed_weight.dtype or reference.device != self.packed_weight.device:
-            # The weights moved or changed dtype one by one: rebuild the buffer to match them.
-            self.packed_weight = torch.stack([w.detach().to(reference) for w in weights])
-            stale = list(range(self.num_experts))
-        for i in stale:
-            self.packed_weight[i].copy_(weights[i].detach())
-            weights[i].data = self.packed_weight[i]
+            if own[i].shape != expected:
+                raise ValueError(f"{self.name}.weight{i} has shape {list(own[i].shape)}, "
+                                 f"expected {list(expected)}")
+        devices = {w.device for w in own}
+        with torch.no_grad(), torch.inference_mode(False):
+            packed = self._packed
+            if len(devices) == 1 and packed.device not in devices:
+                packed = torch.empty_like(packed, device=devices.pop())
+                stale = range(self.num_experts)
+            for i in stale:
+                packed[i].copy_(own[i])
+            self._buffers["packed_weight"] = self._packed = packed
+            for i in stale:
+                own[i].data = packed[i]
 
     def _apply(self, fn, recurse=True):
         # Move/cast the buffer once and keep every expert Parameter a view of it.
-        packed = fn(self.packed_weight)
-        self._buffers["packed_weight"] = packed
-        for i, weight in enumerate(self.expert_weights()):
+        packed = fn(self._packed)
+        self._buffers["packed_weight"] = self._packed = packed
+        for i, weight in enumerate(self._own_weights):
             weight.data = packed[i]
             if weight.grad is not None:
                 weight.grad = fn(weight.grad)

@@ -235,11 +235,13 @@ def _make_adapter(name, base, rank, alpha, dropout, expert_adapter, dtype):
 def apply_lora(model: torch.nn.Module, targets: Sequence[str], rank: int, alpha: float,
                dropout: float = 0.0, expert_adapter: str = "shared",
                dtype: Optional[torch.dtype] = None) -> List[str]:
-    """Freeze every parameter of `model`, wrap each target linear in LoRALinear, return the
-    wrapped module names.
+    """Freeze every parameter of `model` except the adapters of earlier calls (left as they
+    are), wrap each target linear in LoRALinear, return the wrapped module names.
 
     targets: names like ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"] (matching the
-    last part of a module name) or patterns with `*` (matching the full name).
+    last part of a module name) or patterns with `*` (matching the full name). Modules inside
+    an earlier call's LoRALinear (its base and adapter) are never matched; a target that is
+    already a LoRALinear is refused.
     expert_adapter: "shared" or "per_expert" (rank a multiple of 8). dtype: adapter weights'
     dtype, default the base weight's.
     """
@@ -254,15 +256,19 @@ def apply_lora(model: torch.nn.Module, targets: Sequence[str], rank: int, alpha:
         raise ValueError(f"dropout={dropout!r}: must lie in [0, 1)")
     if isinstance(targets, str) or not targets:
         raise ValueError(f"targets={targets!r}: give a non-empty list of module names or patterns")
-    found = [(n, m) for n, m in model.named_modules() if n and _matches(n, targets)]
+    inside_wrappers = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, LoRALinear))
+    found = [(n, m) for n, m in model.named_modules()
+             if n and _matches(n, targets) and not n.startswith(inside_wrappers)]
     if not found:
         raise ValueError(f"targets={list(targets)} matched no module of {type(model).__name__}")
     wrapped_already = [n for n, m in found if isinstance(m, LoRALinear)]
     if wrapped_already:
         raise ValueError(f"apply_lora: {wrapped_already} already carry LoRA adapters")
     adapters = [_make_adapter(n, m, rank, alpha, dropout, expert_adapter, dtype) for n, m in found]
+    earlier_adapters = {id(p) for p in lora_parameters(model).values()}
     for p in model.parameters():
-        p.requires_grad_(False)
+        if id(p) not in earlier_adapters:
+            p.requires_grad_(False)
     for (name, base), adapter in zip(found, adapters):
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, LoRALinear(base, adapter))

@@ -16,6 +16,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from . import _compat
 from .config import (
+    check_backend,
     refuse_unsupported_flags,
     validate_fp32_combine_config,
     validate_torch_experts_config,
@@ -30,7 +31,11 @@ def torch_experts_spec() -> ModuleSpec:
 
 
 def wants_torch_experts(config: TransformerConfig) -> bool:
-    return getattr(config, "moe_expert_gemm_backend", "transformer_engine") == "torch"
+    """Whether `config.moe_expert_gemm_backend` (a field or a plain attribute; absent means
+    "transformer_engine") says "torch"; any value other than BACKENDS is a TorchExpertsConfigError."""
+    backend = getattr(config, "moe_expert_gemm_backend", "transformer_engine")
+    check_backend(backend)
+    return backend == "torch"
 
 
 def with_torch_experts(layer_spec: ModuleSpec) -> ModuleSpec:

@@ -81,3 +81,34 @@ def test_dist_checkpoint_round_trip(megatron_cpu, cpu_checkpointing, tmp_path, d
         assert torch.equal(src1, dst1) and torch.equal(src2, dst2)
     # Loading wrote into the packed buffer; the Parameters are still its views.
     assert [w.data_ptr() for w in ours.linear_fc1.expert_weights()] == pointers
+
+
+def _files_bytes(directory) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+
+
+@pytest.mark.parametrize("glu", [True, False])
+def test_dist_checkpoint_is_no_larger_than_sequential_mlps(megatron_cpu, cpu_checkpointing,
+                                                           tmp_path, glu):
+    """Every expert weight is a view of the whole packed buffer; a torch_dist checkpoint still
+    holds each expert once, not the buffer once per expert."""
+    num_experts = 8
+    config = make_config(num_experts=num_experts, glu=glu,
+                         activation="silu" if glu else "squared_relu")
+    torch.manual_seed(3)
+    ours = TorchGroupedMLP(num_experts, config, pg_collection=megatron_cpu)
+    seq = sequential_mlp(config, megatron_cpu)
+    with torch.no_grad():
+        for (dst1, dst2), (src1, src2) in zip(_expert_weights(seq), _expert_weights(ours)):
+            dst1.copy_(src1)
+            dst2.copy_(src2)
+    sizes = {}
+    for name, module in (("torch", ours), ("sequential", seq)):
+        directory = tmp_path / name
+        directory.mkdir()
+        dist_checkpointing.save(module.sharded_state_dict(prefix=PREFIX), str(directory),
+                                sharded_strategy=("torch_dist", 1))
+        sizes[name] = _files_bytes(directory)
+    weight_bytes = sum(linear.packed_weight.nbytes for linear in (ours.linear_fc1, ours.linear_fc2))
+    # The buffer written once per expert would be num_experts times the weights: far larger.
+    assert weight_bytes <= sizes["torch"] <= sizes["sequential"], (sizes, weight_bytes)

@@ -131,6 +131,31 @@ def test_matches_fp64_reference_to_fp32_rounding(options, with_probs):
         assert_within(grad_probs, grad_probs_ref, (HIDDEN + 1) * FP32_UNIT_ROUNDOFF * abs_dots)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inputs_are_never_modified(options, dtype):
+    """expert_out (FP32: `.float()` is the same tensor) and probs keep their values and version,
+    an upstream op that saved expert_out for its backward still runs, and the gradients are the
+    FP64 reference's."""
+    expert_out, token_ids, probs, grad_y = routed_rows()
+    source = expert_out.to(dtype).requires_grad_()
+    expert_out = source.tanh()  # tanh's backward reads its output
+    probs = probs.clone().requires_grad_()
+    values = expert_out.detach().clone(), probs.detach().clone()
+    versions = expert_out._version, probs._version
+
+    y = fp32_combine(expert_out, token_ids, NUM_TOKENS, probs=probs, **options)
+    assert (expert_out._version, probs._version) == versions
+    assert torch.equal(expert_out, values[0]) and torch.equal(probs, values[1])
+    y.backward(grad_y)
+
+    y_ref, grad_out_ref, grad_probs_ref = fp64_reference(values[0], token_ids, values[1], grad_y)
+    torch.testing.assert_close(y.double(), y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(probs.grad.double(), grad_probs_ref, rtol=1e-5, atol=1e-4)
+    grad_source_ref = grad_out_ref * (1 - values[0].double() ** 2)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(source.grad.double(), grad_source_ref, **tol)
+
+
 def test_token_without_rows_gets_zeros(options):
     expert_out, token_ids, probs, grad_y = routed_rows()
     y, _, _ = run_combine(expert_out, token_ids, probs, grad_y, **options)

@@ -65,7 +65,14 @@ REFUSALS = [
      "divisible by expert_tensor_parallel_size=3. Choose an expert_tensor_parallel_size"),
     ("etp_local_width", dict(moe_ffn_hidden_size=48), dict(etp_size=4), "moe_ffn_hidden_size=48",
      "the per-rank width 48/4=12 must be a multiple of 8 (grouped GEMM needs 16-byte strides); "
-     "use a smaller expert_tensor_parallel_size"),
+     "set expert_tensor_parallel_size=3 (per-rank width 16)."),
+    ("ffn_alignment_at_etp1", dict(moe_ffn_hidden_size=44), {}, "moe_ffn_hidden_size=44",
+     "the per-rank width 44/1=44 must be a multiple of 8 (grouped GEMM needs 16-byte strides); "
+     "44 is not a multiple of 8, so no expert_tensor_parallel_size gives one. Choose a "
+     "moe_ffn_hidden_size that is a multiple of 8, or keep "
+     "moe_expert_gemm_backend='transformer_engine'"),
+    ("ffn_alignment_at_etp2", dict(moe_ffn_hidden_size=36), dict(etp_size=2),
+     "moe_ffn_hidden_size=36", "Choose a moe_ffn_hidden_size that is a multiple of 16"),
     ("hidden_alignment", dict(hidden_size=60), {}, "hidden_size=60",
      "a multiple of 8 (grouped GEMM needs 16-byte strides); keep moe_expert_gemm_backend="),
     ("latent_alignment", dict(moe_latent_size=36), {}, "moe_latent_size=36", "a multiple of 8"),
@@ -113,6 +120,21 @@ def test_one_exception_type_that_is_a_value_error():
 def test_construction_with_the_torch_backend_validates(settings, named):
     with pytest.raises(TorchExpertsConfigError, match=f"does not support {named}: "):
         TorchExpertsTransformerConfig(**{**VALID, **settings}, moe_expert_gemm_backend="torch")
+
+
+@pytest.mark.parametrize("settings, named, fix", [
+    (dict(fp8="hybrid"), "fp8='hybrid'", "set fp8=None"),
+    (dict(fp8="e4m3", fp8_recipe="delayed"), "fp8='e4m3'", "set fp8=None"),
+    (dict(fp4="nvfp4"), "fp4='nvfp4'", "set fp4=None"),
+], ids=["fp8_hybrid", "fp8_e4m3", "fp4"])
+def test_construction_refuses_flags_before_megatron_checks_them(settings, named, fix):
+    """Megatron's own __post_init__ fails on these without Transformer Engine (a TypeError
+    comparing its missing version); ours runs first and names the fix."""
+    with pytest.raises(TorchExpertsConfigError) as refusal:
+        TorchExpertsTransformerConfig(**VALID, **settings, moe_expert_gemm_backend="torch")
+    message = str(refusal.value)
+    assert message.startswith(f"moe_expert_gemm_backend='torch' does not support {named}: ")
+    assert fix in message
 
 
 def test_valid_configs_build():

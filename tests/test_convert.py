@@ -13,6 +13,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 
 from mcore_torch_experts import TorchExpertsConfigError, TorchGroupedMLP
 from mcore_torch_experts.convert import ConversionSummary, convert_experts_to_torch
+from mcore_torch_experts.lora import apply_lora, lora_parameters
 from reference import rel_err
 from tiny_gpt import (HIDDEN, MOE_FFN, MOE_LAYERS, NUM_EXPERTS, forward_backward, freeze_experts,
                       gpt, sequential_to_grouped, tiny_config)
@@ -91,6 +92,35 @@ def test_refused_model_is_left_untouched(megatron_cpu_gpt):
     with pytest.raises(TorchExpertsConfigError, match="add_bias_linear=True"):
         convert_experts_to_torch(model)
     assert all(isinstance(model.get_submodule(name), SequentialMLP) for name in EXPERTS)
+
+
+@pytest.mark.parametrize("targets", [["linear_fc1", "linear_fc2"], ["linear_qkv", "linear_fc2"]])
+def test_a_model_with_expert_adapters_is_refused_untouched(megatron_cpu_gpt, targets):
+    model = sequential_mlp_model()
+    apply_lora(model, targets, rank=4, alpha=8)
+    before = {name: (module, dict(module.named_parameters())) for name, module in
+              model.named_modules()}
+    with pytest.raises(ValueError, match=r"decoder\.layers\.1\.mlp\.experts\.local_experts\.0\."
+                                         r"linear_fc\d .*already carries a LoRA adapter.*call "
+                                         r"convert_experts_to_torch, then apply_lora"):
+        convert_experts_to_torch(model)
+    after = {name: (module, dict(module.named_parameters())) for name, module in
+             model.named_modules()}
+    assert after.keys() == before.keys()
+    for name, (module, params) in after.items():
+        assert module is before[name][0], name
+        assert params.keys() == before[name][1].keys()
+        assert all(p is before[name][1][k] for k, p in params.items()), name
+
+
+def test_adapters_outside_the_experts_survive_conversion(megatron_cpu_gpt):
+    model = sequential_mlp_model()
+    apply_lora(model, ["linear_qkv", "linear_proj"], rank=4, alpha=8)
+    adapters = lora_parameters(model)
+    logits = forward_backward(model)[0]
+    convert_experts_to_torch(model)
+    assert lora_parameters(model) == adapters
+    assert rel_err(forward_backward(model)[0], logits) < 1e-3
 
 
 def test_model_chunks_and_a_second_conversion(megatron_cpu_gpt):

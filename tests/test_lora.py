@@ -299,6 +299,27 @@ def test_applying_lora_twice_is_refused(megatron_cpu_training):
         apply_lora(model, TARGETS, rank=RANK, alpha=ALPHA)
 
 
+def test_a_second_call_keeps_the_first_calls_adapters_training(megatron_cpu_training):
+    model = gpt().train()
+    first = apply_lora(model, ["linear_qkv"], rank=RANK, alpha=ALPHA)
+    second = apply_lora(model, ["linear_fc1", "*linear_in"], rank=RANK, alpha=ALPHA)
+    assert set(second) == {name for name in WRAPPED if name not in first}  # no adapter re-wrapped
+
+    params = lora_parameters(model)
+    assert len(params) == 2 * len(WRAPPED)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == set(params)
+    with torch.no_grad():
+        for name, p in params.items():
+            if name.endswith("linear_out.weight"):
+                p.normal_(std=0.1)  # B = 0 would leave every A without gradient
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    model(tokens, torch.arange(16).expand(2, 16), torch.ones(1, 1, 16, 16).triu(1).bool(),
+          labels=tokens).sum().backward()
+    starved = [n for n, p in params.items() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not starved
+
+
 TENSOR_PARALLEL_PROBE = r"""
 import json, datetime, torch, torch.distributed as dist
 from megatron.core import parallel_state

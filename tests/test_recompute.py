@@ -1,11 +1,16 @@
-"""LoRA adapters on a frozen GPT-MoE train under full recompute once the frozen-input guard is in.
+"""LoRA adapters on a frozen GPT-MoE train under every recompute setting (full uniform/block,
+selective with any module list) once the frozen-input guard is in, with the gradients of the run
+without recompute.
 
-Re-entrant checkpointing gives its outputs a gradient only if an input tensor requires grad; a
-frozen embedding's output does not. Without the guard, "uniform" recompute trains nothing and
-"block" recompute silently skips the adapters of its checkpointed layers.
+Megatron's checkpoints give their outputs a gradient only if an input tensor requires grad; a
+frozen embedding's output does not. Without the guard, "uniform" recompute trains nothing,
+"block" recompute silently skips the adapters of its checkpointed layers, and selective "mlp",
+"moe" or "shared_experts" recompute skips the adapters of checkpointed modules whose input is
+still frozen.
 """
 
 import contextlib
+import types
 
 import pytest
 import torch
@@ -42,26 +47,53 @@ def megatron_cpu_training(megatron_cpu, monkeypatch):
     monkeypatch.setattr(random, "_set_cuda_rng_state", lambda *args, **kwargs: None)
     monkeypatch.setattr(random.get_cuda_rng_tracker(), "fork",
                         lambda *args, **kwargs: contextlib.nullcontext())
+    if not hasattr(random, "FP8GlobalStateManager"):
+        # Selective "layernorm" recompute (CheckpointWithoutOutput) asks Transformer Engine
+        # whether FP8 is on even when it is absent; here it answers what TE says without FP8.
+        monkeypatch.setattr(random, "FP8GlobalStateManager", types.SimpleNamespace(
+            is_fp8_enabled=lambda: False, get_fp8_recipe=lambda: None), raising=False)
+        monkeypatch.setattr(random, "activation_recompute_forward",
+                            lambda *args, **kwargs: contextlib.nullcontext(), raising=False)
+        monkeypatch.setattr(random, "fp8_autocast",
+                            lambda *args, **kwargs: contextlib.nullcontext(), raising=False)
     return megatron_cpu
 
 
-def make_config(recompute_method=None) -> TorchExpertsTransformerConfig:
-    recompute = dict(recompute_granularity="full", recompute_method=recompute_method,
-                     recompute_num_layers=RECOMPUTE_NUM_LAYERS) if recompute_method else {}
+MLP_TARGETS = ["linear_fc1", "linear_fc2"]  # dense MLP, routed and shared experts: no attention
+MOE_TARGETS = ["*experts.linear_fc1", "*experts.linear_fc2"]  # routed and shared experts only
+SHARED_EXPERT_TARGETS = ["*shared_experts.linear_fc1", "*shared_experts.linear_fc2"]
+ALL_SELECTIVE = ["core_attn", "layernorm", "mlp", "moe", "shared_experts"]
+RECOMPUTE = {
+    "none": {},
+    "full-uniform": dict(recompute_granularity="full", recompute_method="uniform",
+                         recompute_num_layers=RECOMPUTE_NUM_LAYERS),
+    "full-block": dict(recompute_granularity="full", recompute_method="block",
+                       recompute_num_layers=RECOMPUTE_NUM_LAYERS),
+    **{f"selective-{module}": dict(recompute_granularity="selective", recompute_modules=[module])
+       for module in ALL_SELECTIVE},
+    "selective-all": dict(recompute_granularity="selective", recompute_modules=ALL_SELECTIVE),
+}
+"""Every recompute setting Megatron offers a GPT-MoE with TorchGroupedMLP experts, by name
+("selective-moe_act" is refused by the config; "selective-mla_up_proj" needs MLA)."""
+
+
+def make_config(recompute="none") -> TorchExpertsTransformerConfig:
+    """Layer 0 dense, layers 1-3 MoE with a shared expert; FP32 on the CPU."""
     return TorchExpertsTransformerConfig(
         num_layers=NUM_LAYERS, hidden_size=64, num_attention_heads=4, num_moe_experts=4,
-        moe_ffn_hidden_size=64, ffn_hidden_size=64, moe_router_topk=2, moe_grouped_gemm=True,
+        moe_layer_freq=[0, 1, 1, 1], moe_ffn_hidden_size=64, ffn_hidden_size=64,
+        moe_shared_expert_intermediate_size=64, moe_router_topk=2, moe_grouped_gemm=True,
         moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
-        use_cpu_initialization=True, moe_expert_gemm_backend="torch", **recompute)
+        use_cpu_initialization=True, moe_expert_gemm_backend="torch", **RECOMPUTE[recompute])
 
 
-def build(recompute_method=None, guard=True, lora=True, expert_adapter="shared"):
+def build(recompute="none", guard=True, lora=True, expert_adapter="shared", targets=TARGETS):
     """The same frozen GPT-MoE every time (seeded), with LoRA adapters whose B is non-zero: B
     starts at zero, which would leave every A without gradient at step 0."""
     torch.manual_seed(0)
-    config = make_config(recompute_method)
+    config = make_config(recompute)
     if guard:
         model = build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=SEQ)
     else:  # Megatron's own path: no guard anywhere
@@ -69,7 +101,7 @@ def build(recompute_method=None, guard=True, lora=True, expert_adapter="shared")
         model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
                          max_sequence_length=SEQ)
     if lora:
-        apply_lora(model, TARGETS, rank=8, alpha=16, expert_adapter=expert_adapter)
+        apply_lora(model, targets, rank=8, alpha=16, expert_adapter=expert_adapter)
         with torch.no_grad():
             for name, p in lora_parameters(model).items():
                 if name.endswith("linear_out.weight"):
@@ -99,33 +131,59 @@ def layer_of(name: str) -> int:
     return int(name.split("decoder.layers.")[1].split(".")[0])
 
 
-@pytest.mark.parametrize("expert_adapter", ["shared", "per_expert"])
-@pytest.mark.parametrize("method", ["uniform", "block"])
-def test_adapter_gradients_under_full_recompute_match_no_recompute(megatron_cpu_training, method,
-                                                                    expert_adapter):
-    expected = adapter_grads(build(None, expert_adapter=expert_adapter))
-    grads = adapter_grads(build(method, expert_adapter=expert_adapter))
+@pytest.mark.parametrize("targets", [TARGETS, MLP_TARGETS, MOE_TARGETS],
+                         ids=["attention+mlp", "mlp-only", "moe-only"])
+@pytest.mark.parametrize("recompute", [name for name in RECOMPUTE if name != "none"])
+def test_adapter_gradients_under_every_recompute_setting_match_no_recompute(
+        megatron_cpu_training, recompute, targets):
+    expected = adapter_grads(build("none", targets=targets))
+    grads = adapter_grads(build(recompute, targets=targets))
 
-    assert grads.keys() == expected.keys() and len(grads) == NUM_LAYERS * 2 * len(TARGETS)
+    assert grads.keys() == expected.keys() and len(grads) >= 2 * len(targets) * NUM_LAYERS
     for name, grad in grads.items():
         assert grad is not None and grad.abs().sum() > 0, f"{name} got no gradient"
         torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("recompute", ["full-uniform", "full-block", "selective-moe"])
+def test_per_expert_adapter_gradients_under_recompute_match_no_recompute(megatron_cpu_training,
+                                                                         recompute):
+    expected = adapter_grads(build("none", expert_adapter="per_expert", targets=MOE_TARGETS))
+    grads = adapter_grads(build(recompute, expert_adapter="per_expert", targets=MOE_TARGETS))
+    assert grads.keys() == expected.keys()
+    for name, grad in grads.items():
+        assert grad is not None, f"{name} got no gradient"
+        torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("module, targets, starved_layers", [
+    ("mlp", MLP_TARGETS, {0}),  # layer 0's dense MLP; its output then requires grad
+    ("moe", MOE_TARGETS, {1, 2, 3}),  # nothing outside a checkpoint trains: no adapter does
+    ("shared_experts", SHARED_EXPERT_TARGETS, {1, 2, 3}),
+])
+def test_without_guard_selective_recompute_starves_adapters(megatron_cpu_training, module,
+                                                           targets, starved_layers):
+    """Megatron's own path: a checkpointed module whose input is frozen (every layer before the
+    first adapter outside a checkpoint) gives its adapters no gradient."""
+    grads = adapter_grads(build(f"selective-{module}", guard=False, targets=targets))
+    starved = {name for name, g in grads.items() if g is None}
+    assert starved == {name for name in grads if layer_of(name) in starved_layers}
+
+
 def test_without_guard_uniform_recompute_trains_nothing(megatron_cpu_training):
-    model = build("uniform", guard=False)
+    model = build("full-uniform", guard=False)
     loss = model(**batch()).mean()
     assert not loss.requires_grad  # every checkpointed chunk is detached from the adapters
 
 
 def test_without_guard_block_recompute_skips_the_checkpointed_layers(megatron_cpu_training):
-    grads = adapter_grads(build("block", guard=False))
+    grads = adapter_grads(build("full-block", guard=False))
     starved = {name for name, g in grads.items() if g is None}
     assert starved == {name for name in grads if layer_of(name) < RECOMPUTE_NUM_LAYERS}
 
 
 def test_install_is_idempotent_and_counts_blocks(megatron_cpu_training):
-    model = build("uniform")  # build_gpt_model installed it already
+    model = build("full-uniform")  # build_gpt_model installed it already
     guarded_forward = model.decoder.forward
     assert install_frozen_input_guard(model) == 1
     assert install_frozen_input_guard(model) == 1
@@ -134,12 +192,12 @@ def test_install_is_idempotent_and_counts_blocks(megatron_cpu_training):
 
 
 def test_guard_leaves_a_model_with_nothing_trainable_alone(megatron_cpu_training):
-    model = build("uniform", lora=False)
+    model = build("full-uniform", lora=False)
     assert not model(**batch()).requires_grad
 
 
 def test_guard_keeps_an_input_that_already_requires_grad(megatron_cpu_training):
-    model = build("uniform")
+    model = build("full-uniform")
     decoder_input = model.embedding(batch()["input_ids"], batch()["position_ids"])
     decoder_input = decoder_input.detach().requires_grad_(True)
     model(**batch(decoder_input)).mean().backward()

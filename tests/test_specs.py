@@ -16,6 +16,7 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mcore_torch_experts import TorchExpertsConfigError, TorchGroupedMLP, _compat, specs
 from reference import rel_err
@@ -111,6 +112,49 @@ def test_spec_builder_arguments_are_checked_too():
     config = tiny_config(moe_expert_gemm_backend="torch", moe_grouped_gemm=True)
     with pytest.raises(TorchExpertsConfigError, match="use_te_op_fuser=True: the TE operation"):
         specs.get_gpt_layer_local_spec(config, use_te_op_fuser=True)
+
+
+def plain_config(**attributes):
+    """A plain TransformerConfig (as MLA configs and Bridge providers are) with the flag, when
+    given, set as an attribute."""
+    fields = {f.name: getattr(tiny_config(), f.name) for f in dataclasses.fields(TransformerConfig)
+              if f.init}
+    config = TransformerConfig(**{**fields, "moe_grouped_gemm": True})
+    for name, value in attributes.items():
+        setattr(config, name, value)
+    return config
+
+
+SPEC_BUILDERS = {
+    "layer_local": lambda config: specs.get_gpt_layer_local_spec(config),
+    "decoder_block": lambda config: specs.get_gpt_decoder_block_spec(config, False),
+    "provider": lambda config: specs.gpt_transformer_layer_spec(config,
+                                                                use_transformer_engine=False),
+}
+
+
+@pytest.mark.parametrize("builder", list(SPEC_BUILDERS))
+@pytest.mark.parametrize("value", ["Torch", "pytorch", None])
+def test_a_misspelt_backend_attribute_is_an_error_naming_the_choices(megatron_cpu, builder,
+                                                                     value):
+    with pytest.raises(TorchExpertsConfigError,
+                       match=rf"moe_expert_gemm_backend={value!r} is not a backend: set it to "
+                             rf"one of \('transformer_engine', 'torch'\)"):
+        SPEC_BUILDERS[builder](plain_config(moe_expert_gemm_backend=value))
+
+
+@pytest.mark.parametrize("builder", list(SPEC_BUILDERS))
+def test_the_backend_attribute_picks_the_experts(megatron_cpu, builder):
+    def experts(spec):
+        layers = getattr(spec, "layer_specs", [spec])
+        return {_compat.moe_submodules(s.submodules.mlp).experts.module for s in layers
+                if _compat.is_moe_mlp_spec(s.submodules.mlp)}
+
+    assert experts(SPEC_BUILDERS[builder](plain_config(moe_expert_gemm_backend="torch"))) == \
+        {TorchGroupedMLP}
+    assert TorchGroupedMLP not in experts(SPEC_BUILDERS[builder](plain_config()))
+    assert TorchGroupedMLP not in experts(
+        SPEC_BUILDERS[builder](plain_config(moe_expert_gemm_backend="transformer_engine")))
 
 
 def test_provider_spec_is_a_block_for_moe_and_a_layer_for_dense_models(megatron_cpu):
