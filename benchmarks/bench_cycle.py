@@ -425,7 +425,9 @@ def classify(events, cuda: bool):
                                _innermost_range(_ancestors(event)))
     totals, recompute = dict.fromkeys(COMPONENTS, 0.0), dict.fromkeys(COMPONENTS, 0.0)
     for event in cpu_events:
-        own = (sum(k.duration for k in event.kernels) if cuda
+        if getattr(event, "is_user_annotation", False):
+            continue  # a range: its device span holds its ops' kernels, counted with those ops
+        own = (sum(k.duration for k in event.kernels if not k.name.startswith(RANGE)) if cuda
                else event.self_cpu_time_total)
         if not own:
             continue
@@ -444,7 +446,9 @@ def classify(events, cuda: bool):
             component = forward.get((node.fwd_thread, node.sequence_nr), OTHER)
         totals[component] += own
     device_total = (sum(e.time_range.elapsed_us() for e in events
-                        if e.device_type == DeviceType.CUDA) if cuda else None)
+                        if e.device_type == DeviceType.CUDA
+                        and not getattr(e, "is_user_annotation", False)
+                        and not e.name.startswith(RANGE)) if cuda else None)
     return totals, recompute, device_total
 
 

@@ -14,7 +14,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 status=0
 python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__, torch.cuda.get_device_name())" | tee "$out/checks.log"
-python3 -m pytest -p no:cacheprovider -rs tests/test_gpu.py tests/test_fp32_combine_layer.py \
+python3 -m pytest -p no:cacheprovider -rs tests/test_gpu.py tests/test_fp32_combine_layer.py tests/test_combine.py \
   tests/test_bridge_lora.py 2>&1 | tee -a "$out/checks.log" || status=1
 (cd examples && python3 -W ignore::UserWarning finetune_lora.py --out-dir /tmp/finetune_lora) \
   2>&1 | tee "$out/finetune_lora.log" || status=1
