@@ -8,11 +8,11 @@ import torch
 from megatron.core.models.gpt import GPTModel
 
 from bridge_support import import_bridge_peft
-from mcore_torch_experts import TorchGroupedLinear, TorchGroupedMLP, register_with_megatron_bridge
+from mcore_torch_experts import (TorchExpertsTransformerConfig, TorchGroupedLinear, TorchGroupedMLP,
+                                 register_with_megatron_bridge)
 from mcore_torch_experts.bridge import _ORIGINAL, merge_bridge_lora
 from mcore_torch_experts.specs import get_gpt_decoder_block_spec
 from reference import make_config, rel_err
-from test_recompute import make_config as recompute_config
 from test_recompute import megatron_cpu_training  # noqa: F401  (fixture)
 from tiny_gpt import sequential_to_grouped
 
@@ -26,6 +26,21 @@ LAYOUTS = {  # Bridge LoRA arguments of each expert-adapter layout
 }
 SPLITS = {"uniform": [5, 5, 5, 5], "zero_experts": [0, 12, 0, 8], "empty_batch": [0, 0, 0, 0]}
 VOCAB, SEQ, BATCH = 128, 16, 2
+NUM_LAYERS = 4  # every layer MoE, no shared experts
+
+
+def recompute_config(recompute_method=None) -> TorchExpertsTransformerConfig:
+    """4 MoE layers (4 SwiGLU experts, top-2), FP32 on the CPU; full recompute with
+    `recompute_method` over 2 layers per checkpoint when given."""
+    recompute = dict(recompute_granularity="full", recompute_method=recompute_method,
+                     recompute_num_layers=2) if recompute_method else {}
+    return TorchExpertsTransformerConfig(
+        num_layers=NUM_LAYERS, hidden_size=64, num_attention_heads=4, num_moe_experts=4,
+        moe_ffn_hidden_size=64, ffn_hidden_size=64, moe_router_topk=2, moe_grouped_gemm=True,
+        moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
+        use_cpu_initialization=True, moe_expert_gemm_backend="torch", **recompute)
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +142,8 @@ def test_each_layout_matches_the_fp64_per_expert_loop(bridge, megatron_cpu, layo
 
 
 def gpt(backend, seed=0, **overrides):
-    """The 4-layer GPT-MoE of test_recompute (FP32), experts per `backend`; overrides set after
-    construction."""
+    """The 4-layer GPT-MoE of `recompute_config` (FP32), experts per `backend`; overrides set
+    after construction."""
     config = recompute_config()
     for key, value in dict(overrides, moe_expert_gemm_backend=backend).items():
         setattr(config, key, value)

@@ -147,7 +147,7 @@ def test_a_misspelt_backend_attribute_is_an_error_naming_the_choices(megatron_cp
 def test_the_backend_attribute_picks_the_experts(megatron_cpu, builder):
     def experts(spec):
         layers = getattr(spec, "layer_specs", [spec])
-        return {_compat.moe_submodules(s.submodules.mlp).experts.module for s in layers
+        return {experts_class(s) for s in layers
                 if _compat.is_moe_mlp_spec(s.submodules.mlp)}
 
     assert experts(SPEC_BUILDERS[builder](plain_config(moe_expert_gemm_backend="torch"))) == \
