@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Expert (EP=2), expert-tensor (ETP=2) and tensor+sequence (TP=2 SP, EP=2) parallel parity of a
-# full MoE layer on two GPUs (NCCL, bf16), allgather and alltoall dispatchers, plus the
+# full MoE layer on two GPUs (NCCL, bf16), allgather and alltoall dispatchers; at EP=2 also the
+# alltoall layer with shared experts (overlapped or not) and the FP32 combine; plus the
 # distributed-checkpoint round trips: the CPU suite's torchrun workers (tests/distributed/) with
 # --device cuda.
 #
@@ -37,7 +38,7 @@ launch() {  # launch NAME WORKER ARGS...: one torchrun launch of 2 processes, 30
   fi
 }
 
-launch ep2 moe_parity.py --ep 2 --dispatchers allgather,alltoall
+launch ep2 moe_parity.py --ep 2 --dispatchers allgather,alltoall --shared-experts
 launch etp2 moe_parity.py --etp 2 --dispatchers allgather,alltoall
 launch tp2_sp_ep2 moe_parity.py --tp 2 --sp --ep 2 --dispatchers allgather,alltoall
 launch checkpoints checkpoint_roundtrip.py

@@ -85,6 +85,38 @@ def parity(args, pg, device, dispatcher, case, sizes):
     )
 
 
+def shared_experts_fp32_combine(args, pg, device, overlap):
+    """The alltoall MoE layer with shared experts (overlapped with the dispatcher or not) and the
+    FP32 top-k combine, against the same layer with Megatron's combine: the shared experts' fc2
+    runs once per forward in each, and outputs and input gradients agree."""
+    from mcore_torch_experts.moe_layer import FP32CombineMoELayer
+
+    sizes = CASES["swiglu"]
+    weights = GlobalWeights.make(sizes)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    xs, grads = global_inputs(world, sizes, seed=11)
+    x, grad_out = xs[rank].to(device), grads[rank].to(device)
+    layers = {fp32: moe_layer(moe_config("torch", sizes, args.device, tp=args.tp, ep=args.ep,
+                                         etp=args.etp, sp=args.sp, dispatcher="alltoall",
+                                         moe_combine_in_fp32=fp32,
+                                         moe_shared_expert_intermediate_size=sizes.ffn,
+                                         moe_shared_expert_overlap=overlap), pg, device)
+              for fp32 in (True, False)}
+    layers[False].load_state_dict(layers[True].state_dict())  # the same router, shared experts
+    results, fc2_calls = {}, {}
+    for fp32, layer in layers.items():
+        assert isinstance(layer, FP32CombineMoELayer) == fp32
+        install(layer, weights, pg, sizes.glu)
+        calls = []
+        layer.shared_experts.linear_fc2.register_forward_hook(lambda *args: calls.append(1))
+        results[fp32] = run_layer(layer, x, grad_out, {}, fp32)
+        fc2_calls[fp32] = len(calls)
+    (out, grad), (megatron_out, megatron_grad) = results[True], results[False]
+    return dict(overlap=overlap, fc2_calls=fc2_calls[True], megatron_fc2_calls=fc2_calls[False],
+                out_vs_megatron=rel_err(out, megatron_out),
+                grad_vs_megatron=rel_err(grad, megatron_grad))
+
+
 def dispatcher_unavailable(args, pg, dispatcher):
     """Why this dispatcher cannot run here, or None. Only a failure to build counts."""
     if args.device == "cuda" or dispatcher != "alltoall":
@@ -160,6 +192,14 @@ def failures(args, result):
                             f"{row['expected_tokens_per_expert']}")
         if not row["experts_untouched"]:
             problems.append(f"{label}: expert weights changed or got a gradient")
+    for row in result["shared_experts"]:
+        label = f"rank {result['rank']} alltoall/shared experts (overlap={row['overlap']})"
+        if not row["fc2_calls"] == row["megatron_fc2_calls"] == 1:
+            problems.append(f"{label}: shared fc2 ran {row['fc2_calls']} times (Megatron's "
+                            f"combine: {row['megatron_fc2_calls']}), expected once")
+        for name in ("out_vs_megatron", "grad_vs_megatron"):
+            if not row[name] <= TOLERANCE["reference"]:
+                problems.append(f"{label}: {name}={row[name]:.3e} > {TOLERANCE['reference']}")
     for name, message in result["errors"].items():
         if message is None:
             problems.append(f"rank {result['rank']} {name}: built without an error")
@@ -173,13 +213,18 @@ def main():
     parser.add_argument("--etp", type=int, default=1)
     parser.add_argument("--sp", action="store_true", help="sequence parallel (needs --tp > 1)")
     parser.add_argument("--dispatchers", default="allgather,alltoall")
+    parser.add_argument("--shared-experts", action="store_true",
+                        help="also the alltoall layer with shared experts and the FP32 combine")
     args = parser.parse_args()
     layout = f"tp{args.tp}{'+sp' if args.sp else ''} ep{args.ep} etp{args.etp}"
 
     device = init_processes(args.device)
     pg = init_parallel(args.device, tp=args.tp, ep=args.ep, etp=args.etp)
     result = dict(rank=dist.get_rank(), layout=layout, world=dist.get_world_size(), parity=[],
-                  skipped=[])
+                  skipped=[], shared_experts=[])
+    if args.shared_experts:
+        for overlap in (False, True):
+            result["shared_experts"].append(shared_experts_fp32_combine(args, pg, device, overlap))
     for dispatcher in args.dispatchers.split(","):
         reason = dispatcher_unavailable(args, pg, dispatcher)
         if reason:
@@ -198,6 +243,10 @@ def main():
         problems.append(f"validation messages differ between ranks: {messages}")
     if dist.get_rank() == 0:
         print(parity_table(gathered))
+        for row in (row for r in gathered for row in r["shared_experts"]):
+            print(f"alltoall + shared experts (overlap={row['overlap']}) + FP32 combine vs "
+                  f"Megatron's combine: fc2 calls {row['fc2_calls']}/{row['megatron_fc2_calls']}, "
+                  f"out {row['out_vs_megatron']:.2e}, grad {row['grad_vs_megatron']:.2e}")
         print("\n".join(["FAILED:", *problems]) if problems else f"{layout}: all checks passed",
               flush=True)
     dist.destroy_process_group()
