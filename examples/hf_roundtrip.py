@@ -227,8 +227,9 @@ def main():
     if importlib.util.find_spec("peft") is None:
         print("HF PEFT adapter written; peft is not installed, so it is not run")
     else:
+        peft_logits = hf_peft_logits(out / "hf_tiny", out / "hf_adapter", tokens)
         print(f"HF PEFT adapter: logits max |HF + adapter - Megatron with adapters| = "
-              f"{max_abs(hf_peft_logits(out / 'hf_tiny', out / 'hf_adapter', tokens), lora_logits):.3e}")
+              f"{max_abs(peft_logits, lora_logits):.3e}")
     if not exact:
         raise SystemExit("the exported tensors differ from the original checkpoint")
 

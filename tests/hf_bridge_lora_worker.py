@@ -77,7 +77,8 @@ def measure(out: Path, layout: str, tokens: torch.Tensor) -> dict:
     result["merged"] = merge_bridge_lora(model)
     result["merged_megatron_logits_max_abs"] = example.max_abs(
         example.megatron_logits(model, tokens), live)
-    example.export_hf(AutoBridge.from_hf_pretrained(out / "hf_tiny"), model, out / layout / "hf_merged")
+    exporter = AutoBridge.from_hf_pretrained(out / "hf_tiny")
+    example.export_hf(exporter, model, out / layout / "hf_merged")
     result["merged_hf_logits_max_abs"] = example.max_abs(
         example.hf_logits(out / layout / "hf_merged", tokens), live)
     return result
