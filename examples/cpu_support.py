@@ -86,14 +86,17 @@ def describe_layers(model) -> str:
 
 
 def import_megatron_bridge():
-    """`import megatron.bridge`, on a host without Transformer Engine too.
+    """`import megatron.bridge` (and its LoRA), on a host without Transformer Engine too.
 
     Megatron-Bridge's `peft/lora_layers.py` runs `import transformer_engine.pytorch as te`
     unconditionally (and uses `te.Linear`, `te.LayerNormLinear`, `te.ops.Sequential` in
     isinstance checks and annotations). Without TE, a stand-in module with those three names
     (classes nothing is an instance of) is visible while Bridge is imported and removed right
     after, so Megatron-Core, which decided HAVE_TE=False when it was imported first, keeps
-    running without TE. With TE installed nothing is stood in.
+    running without TE. Bridge's PEFT modules then hold Megatron-Core's placeholders for the TE
+    classes and `HAVE_TE*` flags that say TE is there; the flags are set to False, which is what
+    they mean here (their `isinstance` checks against placeholders would raise). With TE
+    installed nothing is stood in.
     """
     import importlib.util
     import sys
@@ -117,6 +120,12 @@ def import_megatron_bridge():
     sys.modules.update({"transformer_engine": te, "transformer_engine.pytorch": te.pytorch})
     try:
         import megatron.bridge
+        import megatron.bridge.peft.lora  # noqa: F401  (lora_layers imports TE)
     finally:
         del sys.modules["transformer_engine"], sys.modules["transformer_engine.pytorch"]
+    from megatron.bridge.peft import module_matcher, utils
+
+    for module in (utils, module_matcher):
+        for flag in [name for name in vars(module) if name.startswith("HAVE_TE")]:
+            setattr(module, flag, False)
     return megatron.bridge

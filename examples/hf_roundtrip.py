@@ -15,16 +15,21 @@ transformers (the Python 3.12 / megatron-core 0.19 leg).
 5. Trains LoRA adapters (`apply_lora`) a few steps, folds them into the base weights, exports
    again and runs the exported checkpoint with transformers: its logits are the Megatron
    model's (with adapters).
+6. Imports the checkpoint again and trains Megatron-Bridge's own LoRA (per-expert adapters on
+   the experts) a few steps, exports the adapters as a Hugging Face PEFT adapter
+   (`bridge.save_hf_adapter`) and runs the original checkpoint with that adapter through the
+   `peft` library (skipped when `peft` is not installed): its logits are the Megatron model's.
 """
 
 import argparse
 import functools
+import importlib.util
 from pathlib import Path
 
 import torch
 
 from cpu_support import import_megatron_bridge, init_single_process_megatron
-from mcore_torch_experts import apply_lora, lora_parameters
+from mcore_torch_experts import apply_lora, lora_parameters, register_with_megatron_bridge
 from mcore_torch_experts.lora import LoRALinear, PerExpertLoRAAdapter
 from mcore_torch_experts.specs import gpt_transformer_layer_spec
 
@@ -107,7 +112,25 @@ def train_adapters(model, steps: int, lr: float = 1e-2, seed: int = 0) -> list:
     next-token data over a frozen base; returns the losses."""
     torch.manual_seed(seed)
     apply_lora(model, LORA_TARGETS, rank=8, alpha=16, expert_adapter="per_expert")
-    optimizer = torch.optim.Adam(lora_parameters(model).values(), lr=lr)
+    return train(model, lora_parameters(model).values(), steps, lr)
+
+
+def apply_bridge_lora(model, seed: int = 0, **layout):
+    """Megatron-Bridge's LoRA (rank 8, alpha 16) on attention and experts, expert adapters laid
+    out by `layout` (e.g. `share_expert_adapters=False`); returns the LoRA object, which
+    `bridge.save_hf_adapter` takes as the adapter's config."""
+    from megatron.bridge.peft.lora import LoRA
+
+    register_with_megatron_bridge()
+    torch.manual_seed(seed)
+    lora = LoRA(target_modules=LORA_TARGETS, dim=8, alpha=16, **layout)
+    lora(model)
+    return lora
+
+
+def train(model, parameters, steps: int, lr: float = 1e-2) -> list:
+    """`steps` Adam steps of `parameters` on random next-token data; returns the losses."""
+    optimizer = torch.optim.Adam(parameters, lr=lr)
     data = torch.randint(0, TINY_QWEN3_MOE["vocab_size"], (4, 17))
     model.train()
     losses = []
@@ -118,6 +141,17 @@ def train_adapters(model, steps: int, lr: float = 1e-2, seed: int = 0) -> list:
         optimizer.step()
         losses.append(loss.item())
     return losses
+
+
+@torch.no_grad()
+def hf_peft_logits(path: Path, adapter_path: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """[B, S, V] logits of the checkpoint at `path` with the Hugging Face PEFT adapter at
+    `adapter_path` loaded by the `peft` library, run by transformers."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return PeftModel.from_pretrained(hf, adapter_path).eval()(input_ids=tokens).logits
 
 
 @torch.no_grad()
@@ -182,6 +216,20 @@ def main():
     export_hf(bridge, model, out / "hf_merged")
     print(f"merged export: logits max |HF - Megatron with adapters| = "
           f"{max_abs(hf_logits(out / 'hf_merged', tokens), lora_logits):.3e}")
+
+    bridge, model = import_with_torch_experts(out / "hf_tiny")
+    lora = apply_bridge_lora(model, share_expert_adapters=False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    losses = train(model, trainable, args.steps)
+    print(f"Bridge LoRA: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {len(losses)} steps")
+    lora_logits = megatron_logits(model, tokens)
+    bridge.save_hf_adapter([model], out / "hf_adapter", peft_config=lora, show_progress=False)
+    if importlib.util.find_spec("peft") is None:
+        print("HF PEFT adapter written; peft is not installed, so it is not run")
+    else:
+        peft_logits = hf_peft_logits(out / "hf_tiny", out / "hf_adapter", tokens)
+        print(f"HF PEFT adapter: logits max |HF + adapter - Megatron with adapters| = "
+              f"{max_abs(peft_logits, lora_logits):.3e}")
     if not exact:
         raise SystemExit("the exported tensors differ from the original checkpoint")
 

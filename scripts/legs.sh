@@ -15,8 +15,9 @@ LEGS_ALL="0.16.1 0.17.1 0.18.2 0.19.2"
 TORCH_VERSION=2.13.0
 BRIDGE_VERSION=0.6.2
 # Megatron-Bridge is installed without its dependencies (they include CUDA-only packages); these
-# are the light ones its PEFT and conversion modules import.
-BRIDGE_LIGHT_DEPS="transformers>=5.8,<=5.12.1 omegaconf>=2.3.0 pyyaml tqdm regex six rich"
+# are the light ones its PEFT and conversion modules import, plus peft (and its accelerate) to run
+# Bridge's Hugging Face PEFT adapter exports (tests/test_hf_bridge_lora.py).
+BRIDGE_LIGHT_DEPS="transformers>=5.8,<=5.12.1 omegaconf>=2.3.0 pyyaml tqdm regex six rich peft==0.21.2 accelerate==1.15.0"
 
 leg_python_version() {  # leg -> the Python version it runs on
   case "$1" in

@@ -1,7 +1,8 @@
 """Megatron-Bridge's own PEFT (LoRA, CanonicalLoRA) on TorchGroupedMLP experts, against the real
-megatron-bridge package: every expert-adapter layout against an FP64 per-expert loop and against
-Bridge's LoRA on the same model built with SequentialMLP; exclude mode; the pre-flight refusal;
-adapter-only distributed checkpoints; merging; full recompute with both frozen-input guards."""
+megatron-bridge package: every expert-adapter layout against an FP64 per-expert loop (FP32 on the
+CPU; BF16 on CUDA when a GPU is present) and against Bridge's LoRA on the same model built with
+SequentialMLP; exclude mode; the pre-flight refusal; adapter-only distributed checkpoints; merging
+(FP32 and BF16, CPU and CUDA); full recompute with both frozen-input guards."""
 
 import pytest
 import torch
@@ -24,7 +25,12 @@ LAYOUTS = {  # Bridge LoRA arguments of each expert-adapter layout
     "shared_normalized": dict(normalize_moe_lora=True),
     "per_expert_normalized": dict(share_expert_adapters=False, normalize_moe_lora=True),
 }
+CUDA_LAYOUTS = dict(LAYOUTS, shared_outer_normalized=dict(experts_shared_outer_loras=True,
+                                                         normalize_moe_lora=True))
 SPLITS = {"uniform": [5, 5, 5, 5], "zero_experts": [0, 12, 0, 8], "empty_batch": [0, 0, 0, 0]}
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
+                          reason="needs a CUDA device (BF16 grouped GEMM on the GPU)")
+BF16_TOL = 2e-2  # relative L2 against FP64 (BF16 on the CPU gives at most 8e-3 here)
 VOCAB, SEQ, BATCH = 128, 16, 2
 NUM_LAYERS = 4  # every layer MoE, no shared experts
 
@@ -104,22 +110,25 @@ def fp64_lora_experts(config, experts, x, splits, probs):
     return torch.cat(out), x, [t for _, a, b, _ in fc for t in (a, b)]
 
 
-@pytest.mark.parametrize("splits_name", list(SPLITS))
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_each_layout_matches_the_fp64_per_expert_loop(bridge, megatron_cpu, layout, splits_name):
-    config = make_config(dtype=torch.float32, moe_ffn_hidden_size=48)
-    root = experts_holder(config, megatron_cpu)
+def layout_errors(bridge, pg_collection, layout_kwargs, splits, dtype, device):
+    """Relative L2 errors of Bridge's LoRA on a TorchGroupedMLP (`dtype` on `device`) against the
+    FP64 loop with the same weights and inputs: output, input gradient, each adapter factor's
+    gradient (its largest magnitude when the batch is empty). Returns (errors, output)."""
+    config = make_config(dtype=dtype, hidden=64, ffn=64)
+    root = experts_holder(config, pg_collection)
     bridge["LoRA"](target_modules=["linear_fc1", "linear_fc2"], dim=16, alpha=8,
-                   **LAYOUTS[layout])(root)
+                   **layout_kwargs)(root)
     experts = root.mlp.experts
     assert {type(m.to_wrap) for m in (experts.linear_fc1, experts.linear_fc2)} == {TorchGroupedLinear}
     randomize_adapters(root)
-    splits = SPLITS[splits_name]
+    root.to(device)
     generator = torch.Generator().manual_seed(2)
-    x = torch.randn(sum(splits), config.hidden_size, generator=generator).requires_grad_(True)
-    probs = torch.rand(sum(splits), generator=generator)
-    out, _ = experts(x, torch.tensor(splits), probs)
-    grad_out = torch.randn(out.shape, generator=generator)
+    x = torch.randn(sum(splits), config.hidden_size, generator=generator).to(device, dtype)
+    x.requires_grad_(True)
+    probs = torch.rand(sum(splits), generator=generator).to(device)
+    out, _ = experts(x, torch.tensor(splits, device=device), probs)
+    assert out.dtype == dtype and out.device.type == device
+    grad_out = torch.randn(out.shape, generator=generator).to(device, dtype)
     out.backward(grad_out)
     ref, ref_x, ref_factors = fp64_lora_experts(config, experts, x, splits, probs)
     ref.backward(grad_out.double())
@@ -132,10 +141,31 @@ def test_each_layout_matches_the_fp64_per_expert_loop(bridge, megatron_cpu, layo
             expected = ref_p.grad if p.dim() == 3 else ref_p.grad.sum(0)  # shared: all experts
             errors[f"{linear.to_wrap.name}.{name}"] = rel_err(p.grad, expected) if sum(splits) else (
                 float(p.grad.abs().max()) if p.grad is not None else 0.0)
+    return errors, out
+
+
+@pytest.mark.parametrize("splits_name", list(SPLITS))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_each_layout_matches_the_fp64_per_expert_loop(bridge, megatron_cpu, layout, splits_name):
+    errors, out = layout_errors(bridge, megatron_cpu, LAYOUTS[layout], SPLITS[splits_name],
+                                torch.float32, "cpu")
     print(layout, splits_name, {k: f"{v:.1e}" for k, v in errors.items()})
-    assert max(errors.values()) < 1e-5, errors
-    if sum(splits) == 0:
-        assert out.shape == (0, config.hidden_size)
+    assert len(errors) == 2 + 4 and max(errors.values()) < 1e-5, errors
+    assert out.shape == (sum(SPLITS[splits_name]), 64)
+
+
+@CUDA
+@pytest.mark.parametrize("splits_name", list(SPLITS))
+@pytest.mark.parametrize("layout", list(CUDA_LAYOUTS))
+def test_each_layout_in_bf16_on_cuda_matches_the_fp64_per_expert_loop(bridge, megatron_cpu, layout,
+                                                                      splits_name):
+    """BF16 experts and BF16 adapters on the GPU (Bridge's per-expert adapters take its
+    grouped-GEMM path there), every gradient against FP64."""
+    errors, out = layout_errors(bridge, megatron_cpu, CUDA_LAYOUTS[layout], SPLITS[splits_name],
+                                torch.bfloat16, "cuda")
+    print(layout, splits_name, {k: f"{v:.1e}" for k, v in errors.items()})
+    assert len(errors) == 2 + 4 and max(errors.values()) < BF16_TOL, errors
+    assert out.shape == (sum(SPLITS[splits_name]), 64)
 
 
 # --- Whole GPT-MoE: Bridge on TorchGroupedMLP vs Bridge on SequentialMLP ------------------------
@@ -347,31 +377,43 @@ def test_shared_outer_checkpoint_is_bridge_s_own_limit(bridge, megatron_cpu_trai
         model.sharded_state_dict()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,device", [  # TorchGroupedMLP runs BF16 only on CUDA
+    pytest.param(torch.float32, "cpu", id="fp32-cpu"),
+    pytest.param(torch.bfloat16, "cpu", id="bf16-cpu"),
+    pytest.param(torch.bfloat16, "cuda", id="bf16-cuda", marks=CUDA)])
 @pytest.mark.parametrize("layout", ["shared", "per_expert", "shared_outer"])
-def test_merge_folds_expert_adapters_into_the_packed_weights(bridge, megatron_cpu, layout, dtype):
+def test_merge_folds_expert_adapters_into_the_packed_weights(bridge, megatron_cpu, layout, dtype,
+                                                             device):
     config = make_config(dtype=dtype, moe_ffn_hidden_size=48)
     root = experts_holder(config, megatron_cpu)
     bridge["LoRA"](target_modules=["linear_fc1", "linear_fc2"], dim=16, alpha=8,
                    **LAYOUTS[layout])(root)
     randomize_adapters(root)
+    root.to(device)
+    folded = []  # FP64 W_e + alpha/r * B_e A_e of the weights and factors before the merge
+    for linear in (root.mlp.experts.linear_fc1, root.mlp.experts.linear_fc2):
+        a, b = expert_factors(linear.adapter, config.num_moe_experts)
+        folded.append(linear.to_wrap.packed_weight.double()
+                      + linear.adapter.alpha / linear.adapter.dim * b.double() @ a.double())
     generator = torch.Generator().manual_seed(2)
     splits = torch.tensor(SPLITS["zero_experts"])
-    x = torch.randn(int(splits.sum()), config.hidden_size, generator=generator).to(dtype)
-    probs = torch.rand(x.shape[0], generator=generator)
+    x = torch.randn(int(splits.sum()), config.hidden_size, generator=generator).to(device, dtype)
+    probs = torch.rand(x.shape[0], generator=generator).to(device)
     with torch.no_grad():
-        before, _ = root.mlp.experts(x, splits, probs)
+        before, _ = root.mlp.experts(x, splits.to(device), probs)
         names = merge_bridge_lora(root)
-        after, _ = root.mlp.experts(x, splits, probs)
+        after, _ = root.mlp.experts(x, splits.to(device), probs)
     assert names == ["mlp.experts.linear_fc1", "mlp.experts.linear_fc2"]
     assert not any(".adapter." in n for n, _ in root.named_parameters())
-    for linear in (root.mlp.experts.linear_fc1, root.mlp.experts.linear_fc2):
+    errors = {"out": rel_err(after, before)}
+    for linear, expected in zip((root.mlp.experts.linear_fc1, root.mlp.experts.linear_fc2), folded):
         assert isinstance(linear, TorchGroupedLinear)
+        assert linear.packed_weight.dtype == dtype and linear.packed_weight.device.type == device
         assert all(w.data_ptr() == linear.packed_weight[i].data_ptr()
                    for i, w in enumerate(linear.expert_weights()))
-    error = rel_err(after, before)
-    print(layout, dtype, f"merge rel err {error:.1e}")
-    assert error < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+        errors[linear.name] = rel_err(linear.packed_weight, expected)
+    print(layout, dtype, device, {k: f"{v:.1e}" for k, v in errors.items()})
+    assert max(errors.values()) < (BF16_TOL if dtype == torch.bfloat16 else 1e-5), errors
 
 
 @pytest.mark.parametrize("layout", ["shared", "per_expert", "shared_outer"])
