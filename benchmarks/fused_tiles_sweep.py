@@ -23,9 +23,12 @@ sys.path.insert(0, str(REPO_ROOT))
 from bench_experts import SHAPES, make_splits  # noqa: E402
 
 CANDIDATES = {  # Tiles(block_m, block_n, block_k, warps, stages)
-    "fc1": [(128, 128, 64, 8, 4), (128, 128, 64, 4, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4)],
-    "fc1_glu": [(128, 64, 64, 8, 4), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4)],
-    "dgrad": [(128, 128, 64, 8, 4), (128, 128, 64, 4, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4)],
+    "fc1": [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3),
+            (128, 256, 32, 8, 5)],
+    "fc1_glu": [(128, 128, 64, 8, 3), (128, 64, 64, 8, 4), (128, 128, 32, 8, 5)],
+    "dgrad": [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3)],
+    "dgrad_glu": [(128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 3),
+                  (128, 64, 64, 8, 3)],
 }
 
 
@@ -87,14 +90,15 @@ def main():
                 rows_out.append([name, routing, kind, str(tiles), fmt(base_fc1), fmt(ms),
                                  fmt(base_fc1 / ms, ".3f"), f"{err:.1e}"])
                 print("[tiles]", rows_out[-1], flush=True)
-            for tiles in CANDIDATES["dgrad"]:
-                fused.DGRAD_TILES = fused.Tiles(*tiles)
+            for tiles in CANDIDATES["dgrad_glu" if shape.glu else "dgrad"]:
+                setattr(fused, "DGRAD_GLU_TILES" if shape.glu else "DGRAD_TILES",
+                        fused.Tiles(*tiles))
                 run = lambda: fused.fc2_dgrad_activation(gy, w2, offs, probs, h, act,  # noqa
                                                          shape.glu, 0.0, None, False)
                 dh, _ = run()
                 err = float((dh.float() - ref_dh.float()).norm() / ref_dh.float().norm())
                 ms = time(run)
-                rows_out.append([name, routing, "dgrad", str(tiles), fmt(base_bwd), fmt(ms),
+                rows_out.append([name, routing, "dgrad_glu" if shape.glu else "dgrad", str(tiles), fmt(base_bwd), fmt(ms),
                                  fmt(base_bwd / ms, ".3f"), f"{err:.1e}"])
                 print("[tiles]", rows_out[-1], flush=True)
     lines = ["# Fused expert kernel tilings", ""] + [f"- {h}" for h in bench_header(device)] + [""]

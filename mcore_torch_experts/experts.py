@@ -263,9 +263,10 @@ class TorchGroupedLinear(torch.nn.Module):
 
 
 EXPERT_KERNELS = ("auto", "fused_gemm", "grouped_mm")
-FUSED_GEMM_AUTO_CAPABILITIES = ()
-"""GPU capabilities where "auto" picks the fused GEMM kernels: only where they measured faster
-than grouped_mm + the fused activation at every benchmarked shape (BENCHMARKS.md)."""
+FUSED_GEMM_AUTO_CAPABILITIES = ((9, 0),)
+"""GPUs where "auto" picks the fused GEMM kernels, for non-gated activations only: there they
+measured faster than grouped_mm + the fused activation kernel on the H200; gated ones (SwiGLU)
+measured slower at every tiling tried (BENCHMARKS.md)."""
 
 
 def _fused_gemm_support(config: TransformerConfig) -> Optional[str]:
@@ -298,7 +299,8 @@ def choose_expert_kernel(config: TransformerConfig) -> str:
         return setting
     on_measured_gpu = (torch.cuda.is_available()
                        and torch.cuda.get_device_capability() in FUSED_GEMM_AUTO_CAPABILITIES)
-    return "fused_gemm" if reason is None and on_measured_gpu else "grouped_mm"
+    measured_faster = on_measured_gpu and not config.gated_linear_unit
+    return "fused_gemm" if reason is None and measured_faster else "grouped_mm"
 
 
 def _fused_activation_available(config: TransformerConfig) -> bool:

@@ -45,10 +45,12 @@ class Tiles(NamedTuple):
     stages: int
 
 
-# Chosen by a sweep on the H200 at the Super EP4, Qwen3-30B-A3B and Nano shapes (BENCHMARKS.md).
-FC1_TILES = Tiles(128, 128, 64, 8, 4)
-FC1_GLU_TILES = Tiles(128, 64, 64, 8, 4)  # two accumulators (gate and up): 128 columns in all
-DGRAD_TILES = Tiles(128, 128, 64, 8, 4)
+# The fastest of a sweep on the H200 at the Super EP4, Qwen3-30B-A3B and Nano shapes
+# (benchmarks/fused_tiles_sweep.py, BENCHMARKS.md).
+FC1_TILES = Tiles(128, 256, 64, 8, 3)
+FC1_GLU_TILES = Tiles(128, 128, 64, 8, 3)  # two accumulators (gate and up): 256 columns in all
+DGRAD_TILES = Tiles(128, 256, 64, 8, 3)
+DGRAD_GLU_TILES = Tiles(128, 128, 64, 8, 4)  # the epilogue reads gate and up
 
 
 def covers(config) -> bool:
@@ -264,7 +266,7 @@ def fc2_dgrad_activation(grad_out, w2, offs, probs, h, act, glu, offset, clamp, 
     num_experts, hidden, ffn = w2.shape
     rows = grad_out.shape[0]
     dh = torch.empty_like(h)
-    tiles = DGRAD_TILES
+    tiles = DGRAD_GLU_TILES if glu else DGRAD_TILES
     programs, n_tiles = _grid(rows, num_experts, tiles, ffn)
     if rows == 0:
         return dh, (probs.new_zeros(0, dtype=torch.float32) if want_dprobs else None)
@@ -279,38 +281,53 @@ def fc2_dgrad_activation(grad_out, w2, offs, probs, h, act, glu, offset, clamp, 
     return dh, (partial.sum(0) if want_dprobs else None)
 
 
-class FusedExperts(torch.autograd.Function):
-    """x [T, H] -> fc2(act(fc1(x)) * probs) [T, H] with frozen w1 [E, F or 2F, H], w2 [E, H, F];
-    gradients for x and probs only.
-
-    Saves the two weights (the buffers, no copy), the offsets, the probs and h = fc1(x) in bf16
-    [T, F or 2F]: what today's path keeps for its activation's backward.
-    """
+class Fc1Activation(torch.autograd.Function):
+    """x [T, H] -> (act(h) [* (up + offset)] * probs [T, F], h [T, F or 2F]) with h = fc1(x),
+    frozen w1 [E, F or 2F, H]. The first output carries no gradient back (Fc2AfterActivation
+    hands the gradient of h instead); backward is fc1's input gradient, d x = d h @ w1[e]."""
 
     @staticmethod
-    def forward(ctx, x, probs, w1, w2, offs, grouped_mm, act, glu, offset, clamp):
-        x, probs = x.contiguous(), probs.contiguous()
-        inter, h = fc1_activation(x, w1, offs, probs, act, glu, offset, clamp, save_h=True)
-        ctx.save_for_backward(w1, w2, offs, probs, h)
-        ctx.grouped_mm, ctx.act, ctx.glu, ctx.offset, ctx.clamp = (
-            grouped_mm, act, glu, offset, clamp)
-        if x.shape[0] == 0:
-            return x.new_empty(0, w2.shape[1])
+    def forward(ctx, x, probs, w1, offs, grouped_mm, act, glu, offset, clamp):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(w1, offs)
+        ctx.grouped_mm = grouped_mm
+        inter, h = fc1_activation(x.contiguous(), w1, offs, probs.contiguous(), act, glu, offset,
+                                  clamp, save_h=True)
+        ctx.mark_non_differentiable(inter)
+        return inter, h
+
+    @staticmethod
+    def backward(ctx, _grad_inter, grad_h):
+        w1, offs = ctx.saved_tensors
+        if grad_h is None or grad_h.shape[0] == 0:
+            return (None if grad_h is None else grad_h.new_zeros(0, w1.shape[2]),
+                    None, None, None, None, None, None, None, None)
+        return ctx.grouped_mm(grad_h, w1, offs=offs), None, None, None, None, None, None, None, None
+
+
+class Fc2AfterActivation(torch.autograd.Function):
+    """(inter [T, F], h [T, F or 2F], probs [T]) -> inter @ w2[e].T [T, H], frozen w2 [E, H, F].
+
+    inter is Fc1Activation's act(h) * probs; backward skips it and returns the gradients of h and
+    probs straight from the fused fc2 input-gradient kernel. Saves h, probs, w2 and the offsets;
+    h is freed when this backward ends, before fc1's input gradient runs."""
+
+    @staticmethod
+    def forward(ctx, inter, h, probs, w2, offs, grouped_mm, act, glu, offset, clamp):
+        ctx.save_for_backward(h, probs, w2, offs)
+        ctx.args = (act, glu, offset, clamp)
+        if inter.shape[0] == 0:
+            return inter.new_empty(0, w2.shape[1])
         return grouped_mm(inter, w2.transpose(1, 2), offs=offs)
 
     @staticmethod
     def backward(ctx, grad_out):
-        w1, w2, offs, probs, h = ctx.saved_tensors
-        dh, dprobs = fc2_dgrad_activation(
-            grad_out.contiguous(), w2, offs, probs, h, ctx.act, ctx.glu, ctx.offset, ctx.clamp,
-            want_dprobs=ctx.needs_input_grad[1])
-        if h.shape[0] == 0:
-            dx = grad_out.new_zeros(0, w1.shape[2])
-        else:
-            dx = ctx.grouped_mm(dh, w1, offs=offs)
+        h, probs, w2, offs = ctx.saved_tensors
+        dh, dprobs = fc2_dgrad_activation(grad_out.contiguous(), w2, offs, probs.contiguous(), h,
+                                          *ctx.args, want_dprobs=ctx.needs_input_grad[2])
         if dprobs is not None:
             dprobs = dprobs.to(probs.dtype)
-        return dx, dprobs, None, None, None, None, None, None, None, None
+        return None, dh, dprobs, None, None, None, None, None, None, None
 
 
 def fused_experts(config, x, probs, w1, w2, offs, grouped_mm):
@@ -324,4 +341,5 @@ def fused_experts(config, x, probs, w1, w2, offs, grouped_mm):
         if x.shape[0] == 0:
             return x.new_empty(0, w2.shape[1])
         return grouped_mm(inter, w2.transpose(1, 2), offs=offs)
-    return FusedExperts.apply(x, probs, w1, w2, offs, grouped_mm, *args)
+    inter, h = Fc1Activation.apply(x, probs, w1, offs, grouped_mm, *args)
+    return Fc2AfterActivation.apply(inter, h, probs, w2, offs, grouped_mm, *args)
