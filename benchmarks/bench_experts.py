@@ -78,6 +78,8 @@ OURS_CPU = "TorchGroupedMLP (CPU splits)"
 OURS_GPU = "TorchGroupedMLP (GPU splits)"
 OURS_GRAPH = "TorchGroupedMLP CUDA graph (GPU splits)"
 EAGER_ACT = "TorchGroupedMLP, eager activation"
+FUSED = "TorchGroupedMLP, fused_gemm (CPU splits)"
+GROUPED = "TorchGroupedMLP, grouped_mm (CPU splits)"
 RAW = "raw grouped_mm pair"
 GEMMS = "grouped_mm GEMMs alone"
 DENSE = "dense GEMMs (ceiling)"
@@ -515,9 +517,16 @@ class ShapeBench:
                                    device=self.device).bfloat16()
         impls = [
             (OURS_CPU, lambda: module_impl(OURS_CPU, ours, x, splits, probs, gy, ours=True)),
+            (FUSED, lambda: module_impl(FUSED, ours, x, splits, probs, gy, ours=True,
+                                        call=lambda: forced_forward(ours, x, splits, probs,
+                                                                    "fused_gemm"))
+             if self.meter.cuda else "not available: its Triton kernels run on CUDA"),
+            (GROUPED, lambda: module_impl(GROUPED, ours, x, splits, probs, gy, ours=True,
+                                          call=lambda: forced_forward(ours, x, splits, probs,
+                                                                      "grouped_mm"))),
             (EAGER_ACT, lambda: module_impl(EAGER_ACT, ours, x, splits, probs, gy, ours=True,
-                                            call=lambda: eager_activation_forward(ours, x, splits,
-                                                                                  probs))),
+                                            call=lambda: forced_forward(ours, x, splits, probs,
+                                                                        "grouped_mm", "eager"))),
             (RAW, lambda: raw_pair_impl(config, shape, w1, w2, x, offs, probs, gy)),
             (GEMMS, lambda: gemm_impl(
                 GEMMS, lambda a, fwd: gmm(a, w1.transpose(1, 2) if fwd else w1, offs=offs),
@@ -640,13 +649,16 @@ def table(results):
     return lines
 
 
-def eager_activation_forward(mlp, x, splits, probs):
-    """TorchGroupedMLP with activation x probs as eager torch ops (the fused kernel's baseline)."""
-    impl, mlp.activation_impl = mlp.activation_impl, "eager"
+def forced_forward(mlp, x, splits, probs, kernel, activation=None):
+    """TorchGroupedMLP with its expert kernels forced to `kernel` ("fused_gemm" raises where it
+    cannot run) and, when given, its activation_impl (grouped_mm path) forced too."""
+    saved = mlp.expert_kernel_setting, mlp.expert_kernel_impl, mlp.activation_impl
+    mlp.expert_kernel_setting = mlp.expert_kernel_impl = kernel
+    mlp.activation_impl = activation or mlp.activation_impl
     try:
         return mlp(x, splits, probs)[0]
     finally:
-        mlp.activation_impl = impl
+        mlp.expert_kernel_setting, mlp.expert_kernel_impl, mlp.activation_impl = saved
 
 
 def step_of(res, name):
@@ -692,15 +704,18 @@ def targets(results, sweep, target_shape):
 
 
 def sweep_table(sweep):
-    names = [OURS_CPU, EAGER_ACT, RAW, GEMMS, SEQUENTIAL, DENSE]
+    names = [OURS_CPU, FUSED, GROUPED, EAGER_ACT, RAW, GEMMS, SEQUENTIAL, DENSE]
     lines = ["| local experts | rows per expert | " + " | ".join(f"{n} ms" for n in names)
-             + " | x SequentialMLP | ceiling fraction |",
-             "|" + "---|" * (len(names) + 4)]
+             + " | x SequentialMLP | ceiling fraction | fused_gemm ceiling fraction "
+             "| fused_gemm / grouped_mm time |",
+             "|" + "---|" * (len(names) + 6)]
     for res in sweep:
-        ours, seq, dense = (step_of(res, n) for n in (OURS_CPU, SEQUENTIAL, DENSE))
+        ours, seq, dense, fused, grouped = (step_of(res, n) for n in (
+            OURS_CPU, SEQUENTIAL, DENSE, FUSED, GROUPED))
         cells = [str(res["experts"]), str(res["shape"].rows // res["experts"])]
         cells += [fmt(step_of(res, n)) for n in names]
-        cells += [fmt(ratio(seq, ours), ".1f"), fmt(ratio(dense, ours), ".2f")]
+        cells += [fmt(ratio(seq, ours), ".1f"), fmt(ratio(dense, ours), ".2f"),
+                  fmt(ratio(dense, fused), ".2f"), fmt(ratio(fused, grouped), ".3f")]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -714,7 +729,7 @@ def plots(out_dir, results, sweep):
     if sweep:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         experts = [res["experts"] for res in sweep]
-        for name in (OURS_CPU, EAGER_ACT, RAW, SEQUENTIAL, DENSE):
+        for name in (OURS_CPU, FUSED, GROUPED, EAGER_ACT, RAW, SEQUENTIAL, DENSE):
             ys = [step_of(res, name) for res in sweep]
             if any(y is not None for y in ys):
                 ax.plot(experts, [float("nan") if y is None else y for y in ys], marker="o",
@@ -732,7 +747,7 @@ def plots(out_dir, results, sweep):
         plt.close(fig)
         written.append("sweep.png")
     if results:
-        names = (OURS_CPU, EAGER_ACT, RAW, GEMMS)
+        names = (OURS_CPU, FUSED, GROUPED, EAGER_ACT, RAW, GEMMS)
         labels = [f"{r['name']}\n{r['routing']}" for r in results]
         fig, ax = plt.subplots(figsize=(max(7, 1.1 * len(results)), 4.5))
         width = 0.8 / len(names)
@@ -767,6 +782,21 @@ def packing_table(packing):
     return lines
 
 
+def fused_table(results):
+    lines = ["| shape | routing | fused_gemm ms | grouped_mm ms | dense ms | fused_gemm ceiling "
+             "fraction | grouped_mm ceiling fraction | fused / grouped_mm time | fused peak MiB "
+             "| grouped_mm peak MiB |", "|" + "---|" * 10]
+    for res in results:
+        rows = {r["name"]: r for r in res["rows"]}
+        fused, grouped, dense = (step_of(res, n) for n in (FUSED, GROUPED, DENSE))
+        lines.append("| " + " | ".join([
+            res["name"], res["routing"], fmt(fused), fmt(grouped), fmt(dense),
+            fmt(ratio(dense, fused), ".2f"), fmt(ratio(dense, grouped), ".2f"),
+            fmt(ratio(fused, grouped), ".3f"), fmt(rows.get(FUSED, {}).get("peak_mib"), ".0f"),
+            fmt(rows.get(GROUPED, {}).get("peak_mib"), ".0f")]) + " |")
+    return lines
+
+
 def write_report(out_dir, header, results, sweep, packing, target_shape):
     lines = ["# TorchGroupedMLP benchmark", ""] + [f"- {h}" for h in header] + [""]
     lines += ["## Targets", "", "Judged on TorchGroupedMLP as MoELayer calls it (CPU splits); GPU "
@@ -783,6 +813,11 @@ def write_report(out_dir, header, results, sweep, packing, target_shape):
               "routing and replayed with each routing's inputs and splits copied in; '= eager' "
               "says its output and gradient equal the eager module's bit for bit.", ""]
     lines += table(results) + [""]
+    lines += ["## fused_gemm against grouped_mm", "",
+              "TorchGroupedMLP with its kernels forced either way, in the same run: fraction of "
+              "the dense ceiling (targets: uniform >= 0.90, skewed >= 0.85) and fused_gemm time / "
+              "grouped_mm time (target: <= 1 everywhere).", ""]
+    lines += fused_table(results) + [""]
     if sweep:
         lines += ["## Local expert count sweep (uniform routing, fixed total rows)", ""]
         lines += sweep_table(sweep) + [""]

@@ -200,6 +200,12 @@ class TorchExpertsTransformerConfig(TransformerConfig):
     moe_expert_gemm_backend: str = "transformer_engine"
     """"transformer_engine" (Megatron's own experts) or "torch" (TorchGroupedMLP)."""
 
+    moe_expert_kernel: str = "auto"
+    """TorchGroupedMLP's kernels: "grouped_mm" (four grouped_mm GEMMs, the activation between),
+    "fused_gemm" (Triton grouped GEMMs with the activation and probs in their epilogues; an error
+    where it cannot run) or "auto" (fused_gemm only on GPUs where it measured faster, and only
+    while the expert linears carry no adapters)."""
+
     moe_combine_in_fp32: bool = False
     """Sum each token's top-k expert outputs in FP32 with bounded memory (FP32CombineMoELayer in
     the reference specs). Off: Megatron's combine, unchanged."""

@@ -209,6 +209,11 @@ class TorchGroupedLinear(torch.nn.Module):
             state_dict.pop(f"{prefix}_extra_state{i}", None)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: Splits):
+        weight, offs = self.weight_and_offsets(x, tokens_per_expert)
+        return frozen_grouped_linear(x, weight, offs, self._grouped_mm), None
+
+    def weight_and_offsets(self, x: torch.Tensor, tokens_per_expert: Splits):
+        """Check x [T, in] against the weights; (packed weight [E, out, in], offsets int32 [E])."""
         weight = self.packed(refuse_trainable=torch.is_grad_enabled())
         if x.dim() != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"{self.name} expects input [T, {self.in_features}], got {list(x.shape)}")
@@ -221,8 +226,7 @@ class TorchGroupedLinear(torch.nn.Module):
             )
         if x.device != weight.device:
             raise ValueError(f"{self.name}: input on {x.device}, weights on {weight.device}")
-        offs = group_offsets(tokens_per_expert, self.num_experts, x.shape[0], x.device)
-        return frozen_grouped_linear(x, weight, offs, self._grouped_mm), None
+        return weight, group_offsets(tokens_per_expert, self.num_experts, x.shape[0], x.device)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """One ShardedTensor per expert under the keys TE grouped linears use."""
@@ -256,6 +260,47 @@ class TorchGroupedLinear(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, in={self.in_features}, out={self.out_features}, "
                 f"grouped_mm={self.grouped_mm_name}")
+
+
+EXPERT_KERNELS = ("auto", "fused_gemm", "grouped_mm")
+FUSED_GEMM_AUTO_CAPABILITIES = ((9, 0),)
+"""GPUs where "auto" picks the fused GEMM kernels, for non-gated activations only: there they
+measured faster than grouped_mm + the fused activation kernel on the H200; gated ones (SwiGLU)
+measured slower at every tiling tried (BENCHMARKS.md)."""
+
+
+def _fused_gemm_support(config: TransformerConfig) -> Optional[str]:
+    """None when the fused GEMM kernels compute this config, else why not."""
+    try:
+        from .fused_experts_triton import covers
+    except ImportError as exc:
+        return f"triton is not importable ({exc})"
+    if not covers(config):
+        return (f"they compute squared ReLU or SiLU (gated or not) with the probs applied after "
+                f"the activation; this config has activation_func={config.activation_func!r}, "
+                f"moe_apply_probs_on_input={config.moe_apply_probs_on_input}")
+    return None
+
+
+def choose_expert_kernel(config: TransformerConfig) -> str:
+    """Resolve `moe_expert_kernel` ("auto" when the config has no such field) to "fused_gemm"
+    or "grouped_mm"; a forced "fused_gemm" that cannot run is an error."""
+    setting = getattr(config, "moe_expert_kernel", "auto")
+    if setting not in EXPERT_KERNELS:
+        raise ValueError(f"moe_expert_kernel={setting!r} is not a kernel choice: set it to one "
+                         f"of {EXPERT_KERNELS}.")
+    if setting == "grouped_mm":
+        return setting
+    reason = _fused_gemm_support(config)
+    if setting == "fused_gemm":
+        if reason is not None:
+            raise ValueError(f"moe_expert_kernel='fused_gemm' cannot run: {reason}. Set "
+                             "moe_expert_kernel='grouped_mm' or 'auto'.")
+        return setting
+    on_measured_gpu = (torch.cuda.is_available()
+                       and torch.cuda.get_device_capability() in FUSED_GEMM_AUTO_CAPABILITIES)
+    measured_faster = on_measured_gpu and not config.gated_linear_unit
+    return "fused_gemm" if reason is None and measured_faster else "grouped_mm"
 
 
 def _fused_activation_available(config: TransformerConfig) -> bool:
@@ -306,6 +351,12 @@ class TorchGroupedMLP(MegatronModule):
         self.activation_impl = "fused" if _fused_activation_available(config) else "eager"
         """"fused": activation x probs in one Triton kernel on CUDA tensors; "eager": torch ops
         (always on the CPU; on CUDA when triton is missing or the activation is not covered)."""
+        self.expert_kernel_setting = getattr(config, "moe_expert_kernel", "auto")
+        self.expert_kernel_impl = choose_expert_kernel(config)
+        """"fused_gemm": fc1 with activation x probs in its epilogue and fc2's input gradient with
+        the activation's backward in its epilogue (Triton, fused_experts_triton.py), fc2 forward and
+        fc1's input gradient on grouped_mm; "grouped_mm": four grouped_mm GEMMs with the activation
+        between them (`activation_impl`). Resolved from `moe_expert_kernel` at construction."""
 
     def activation(self, fc1_out: torch.Tensor) -> torch.Tensor:
         """Megatron's expert activation: act(x), or act(gate) * (up + offset) for GLU."""
@@ -327,6 +378,13 @@ class TorchGroupedMLP(MegatronModule):
         if self.config.moe_apply_probs_on_input:
             hidden = (probs * hidden).to(hidden.dtype)
             probs = None
+        if self._runs_fused_gemm(hidden):
+            from .fused_experts_triton import fused_experts
+
+            w1, offs = self.linear_fc1.weight_and_offsets(hidden, tokens_per_expert)
+            w2 = self.linear_fc2.packed(refuse_trainable=torch.is_grad_enabled())
+            return fused_experts(self.config, hidden, permuted_probs, w1, w2, offs,
+                                 self.linear_fc1._grouped_mm), None
         fc1_out, _ = self.linear_fc1(hidden, tokens_per_expert)
         if self.activation_impl == "fused" and fc1_out.is_cuda:
             from .activation_triton import fused_activation_probs
@@ -338,6 +396,34 @@ class TorchGroupedMLP(MegatronModule):
                 act = (act * probs).to(fc1_out.dtype)
         out, _ = self.linear_fc2(act, tokens_per_expert)
         return out, None
+
+    def _runs_fused_gemm(self, hidden: torch.Tensor) -> bool:
+        """Whether this call takes the fused GEMM path. It calls the packed weights directly, so
+        it needs linear_fc1/linear_fc2 unwrapped (no adapters) and without hooks; a forced
+        "fused_gemm" that cannot run raises."""
+        if self.expert_kernel_impl != "fused_gemm":
+            return False
+        forced = self.expert_kernel_setting == "fused_gemm"
+        linears = (self.linear_fc1, self.linear_fc2)
+        plain = all(type(m) is TorchGroupedLinear and not (m._forward_hooks or m._forward_pre_hooks)
+                    for m in linears)
+        if not plain:
+            if forced:
+                raise RuntimeError(
+                    "moe_expert_kernel='fused_gemm' runs the packed expert weights directly, but "
+                    "linear_fc1/linear_fc2 carry adapters or hooks that it would skip; set "
+                    "moe_expert_kernel='grouped_mm' or 'auto' for adapters on the experts.")
+            return False
+        from .fused_experts_triton import INTERPRETER
+
+        if not hidden.is_cuda and not INTERPRETER:
+            if forced:
+                raise RuntimeError(
+                    f"moe_expert_kernel='fused_gemm' runs Triton kernels on CUDA tensors; the "
+                    f"input is on {hidden.device}. Move the module to CUDA or set "
+                    "moe_expert_kernel='grouped_mm' or 'auto'.")
+            return False
+        return True
 
     def backward_dw(self):
         """Nothing to do: the expert weights are frozen."""

@@ -38,8 +38,16 @@ def copy_weights_to_sequential(torch_mlp, seq_mlp) -> None:
         expert.linear_fc2.weight.copy_(getattr(torch_mlp.linear_fc2, f"weight{i}"))
 
 
-def fp64_experts(config, fc1, fc2, x, splits, probs) -> torch.Tensor:
-    """Per-expert FP64 loop: fc1 [E, out, in], fc2 [E, H, F], x [T, H], probs [T] -> [T, H] float64."""
+def _clamp(value, bound_ok, bound):
+    """value where bound_ok, else the constant bound (no gradient there)."""
+    return torch.where(bound_ok, value, torch.full_like(value, bound))
+
+
+def fp64_experts(config, fc1, fc2, x, splits, probs, clamp_on_bf16=False) -> torch.Tensor:
+    """Per-expert FP64 loop: fc1 [E, out, in], fc2 [E, H, F], x [T, H], probs [T] -> [T, H] float64.
+
+    clamp_on_bf16: the GLU clamp decides which side of the bound each value is on from the fc1
+    output rounded to bf16 (as a bf16 module does); the math stays FP64."""
     outputs = []
     start = 0
     for e, count in enumerate(list(splits)):
@@ -50,7 +58,11 @@ def fp64_experts(config, fc1, fc2, x, splits, probs) -> torch.Tensor:
         h = rows @ fc1[e].double().T
         if config.gated_linear_unit:
             gate, up = h.chunk(2, dim=-1)
-            if (clamp := config.activation_func_clamp_value) is not None:
+            if (clamp := config.activation_func_clamp_value) is not None and clamp_on_bf16:
+                g16, u16 = gate.detach().bfloat16().double(), up.detach().bfloat16().double()
+                gate = _clamp(gate, g16 <= clamp, clamp)
+                up = _clamp(_clamp(up, u16 <= clamp, clamp), u16 >= -clamp, -clamp)
+            elif clamp is not None:
                 gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
             h = config.activation_func(gate) * (up + config.glu_linear_offset)
         else:

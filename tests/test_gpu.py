@@ -130,3 +130,119 @@ def test_fused_activation_matches_eager_on_cuda(megatron_cpu, case):
     print(f"\n[cuda fused vs eager] {case}: out={rel_err(fused_out, eager_out):.2e} "
           f"grad={rel_err(fused_grad, eager_grad):.2e}")
     assert rel_err(fused_out, eager_out) < 1e-2 and rel_err(fused_grad, eager_grad) < 1e-2
+
+
+# The clamp bound is a bf16 value: the grouped_mm path compares bf16 values with the bound
+# rounded to bf16, the fused kernels (and the FP64 loop) with the bound itself.
+FUSED_CASES = {
+    "squared_relu": dict(activation="squared_relu", glu=False),
+    "swiglu": dict(activation="silu", glu=True),
+    "silu": dict(activation="silu", glu=False),
+    "swiglu_offset_clamp": dict(activation="silu", glu=True, glu_linear_offset=1.0,
+                                activation_func_clamp_value=0.375),
+}
+
+
+def _with_kernel(experts, kernel):
+    experts.expert_kernel_setting = experts.expert_kernel_impl = kernel
+    return experts
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+@pytest.mark.parametrize("splits_name", [*SPLITS, "empty"])
+def test_fused_gemm_matches_fp64_and_grouped_mm(megatron_cpu, case, splits_name):
+    """The fused GEMM path (forced) against the FP64 loop and the grouped_mm path: output, input
+    gradient and the probs' gradient."""
+    config, experts, _ = build_pair(megatron_cpu, **FUSED_CASES[case])
+    splits = SPLITS.get(splits_name, [0] * EXPERTS)
+    rows = sum(splits)
+    x = torch.randn(rows, HIDDEN, device="cuda").bfloat16()
+    probs = torch.rand(rows, device="cuda")
+    grad_out = torch.randn(rows, HIDDEN, device="cuda").bfloat16()
+    results = {}
+    for kernel in ("fused_gemm", "grouped_mm"):
+        _with_kernel(experts, kernel)
+        xk, pk = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+        out, _ = experts(xk, torch.tensor(splits, device="cuda"), pk)
+        out.backward(grad_out)
+        results[kernel] = (out, xk.grad, pk.grad)
+    out, grad_x, grad_p = results["fused_gemm"]
+    assert out.shape == (rows, HIDDEN) and grad_x.shape == (rows, HIDDEN)
+    if rows == 0:
+        return
+    x64 = x.double().requires_grad_(True)
+    p64 = probs.double().requires_grad_(True)
+    ref = fp64_experts(config, experts.linear_fc1.packed_weight, experts.linear_fc2.packed_weight,
+                       x64, splits, p64, clamp_on_bf16=True)
+    ref.backward(grad_out.double())
+    errors = {f"{name}_{kernel}": rel_err(got, want)
+              for kernel, got_all in results.items()
+              for name, got, want in zip(("out", "grad_x", "grad_p"), got_all,
+                                         (ref, x64.grad, p64.grad))}
+    print(f"\n[cuda fused gemm] {case} {splits_name}: "
+          + " ".join(f"{k}={v:.2e}" for k, v in errors.items()))
+    assert max(errors.values()) < 1e-2, errors
+    assert rel_err(out, results["grouped_mm"][0]) < 1e-2
+    assert rel_err(grad_x, results["grouped_mm"][1]) < 1e-2
+
+
+def test_fused_gemm_no_sync_and_cuda_graph(megatron_cpu):
+    """Device splits: no host sync in forward or backward; a CUDA graph of forward + backward
+    replays the eager result bit for bit, also after other splits (zero-token experts) are
+    copied in."""
+    _, experts, _ = build_pair(megatron_cpu, activation="silu", glu=True)
+    _with_kernel(experts, "fused_gemm")
+    rows = sum(SPLITS["uniform"])
+    static = [torch.randn(rows, HIDDEN, device="cuda").bfloat16().requires_grad_(True),
+              torch.tensor(SPLITS["uniform"], device="cuda"), torch.rand(rows, device="cuda"),
+              torch.randn(rows, HIDDEN, device="cuda").bfloat16()]
+
+    def step():
+        out, _ = experts(*static[:3])
+        return out, torch.autograd.grad(out, static[0], static[3])[0]
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_grad = step()
+    static[1].copy_(torch.tensor(SPLITS["zero_first_middle_last"], device="cuda"))
+    graph.replay()
+    eager_out, eager_grad = step()
+    assert torch.equal(g_out, eager_out) and torch.equal(g_grad, eager_grad)
+
+
+def test_fused_gemm_forced_refuses_adapters(megatron_cpu):
+    """A forced fused path never skips an adapter: wrapped expert linears raise; "auto" takes
+    the grouped_mm path there."""
+    _, experts, _ = build_pair(megatron_cpu, activation="silu", glu=True)
+    _with_kernel(experts, "fused_gemm")
+    handle = experts.linear_fc1.register_forward_hook(lambda *args: None)
+    x = torch.randn(8, HIDDEN, device="cuda").bfloat16()
+    splits = torch.tensor([1] * EXPERTS, device="cuda")
+    with pytest.raises(RuntimeError, match="moe_expert_kernel='fused_gemm'"):
+        experts(x, splits, torch.rand(8, device="cuda"))
+    experts.expert_kernel_setting = "auto"
+    out, _ = experts(x, splits, torch.rand(8, device="cuda"))
+    handle.remove()
+    assert out.shape == (8, HIDDEN)
+
+
+def test_auto_kernel_choice(megatron_cpu):
+    """"auto" takes the fused GEMM path only on sm90 and only for non-gated activations, where it
+    measured faster; SwiGLU stays on grouped_mm."""
+    sm90 = torch.cuda.get_device_capability() == (9, 0)
+    _, sq_relu, _ = build_pair(megatron_cpu, activation="squared_relu", glu=False)
+    _, swiglu, _ = build_pair(megatron_cpu, activation="silu", glu=True)
+    assert sq_relu.expert_kernel_impl == ("fused_gemm" if sm90 else "grouped_mm")
+    assert swiglu.expert_kernel_impl == "grouped_mm"

@@ -1,0 +1,345 @@
+"""Grouped GEMMs with the expert activation in their epilogues, for frozen experts (Triton).
+
+Two kernels cover the passes over the [T, F] intermediate that TorchGroupedMLP otherwise runs
+separately:
+
+- fc1 forward: h = x @ W1[e].T per expert, then act(h) [* (up + offset)] * probs in the epilogue,
+  written once in bf16; h itself (bf16, what backward needs) is written only under grad.
+- fc2 input gradient: g = grad_out @ W2[e] per expert, then the activation's backward and the
+  probs in the epilogue, giving d h directly (and the probs' gradient, per column tile, when the
+  probs require grad).
+
+fc2 forward and fc1's input gradient are plain grouped GEMMs and stay on torch's grouped_mm.
+
+Scheduling needs no host sync and is CUDA-graph capturable: the grid is an upper bound on the
+row tiles, cdiv(T, BLOCK_M) + E (each expert wastes at most one partial tile), times the column
+tiles; every program finds its expert from the cumulative row ends `offs` on the device (a prefix
+sum over per-expert tile counts) and returns at once when it has no tile. Zero-token experts own
+no tile. CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set before triton is imported.
+"""
+
+import os
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from megatron.core.activations import squared_relu
+
+SQUARED_RELU, SILU = 0, 1
+ACTIVATIONS = {squared_relu: SQUARED_RELU, F.silu: SILU}
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+"""Under triton's interpreter a bf16 tl.dot reads its operands' bits wrongly: the kernels feed
+it FP32 copies there (bf16 products are exact in FP32, so the result is the same up to the
+order of the sums)."""
+
+
+class Tiles(NamedTuple):
+    """Block sizes and launch settings of one kernel."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+# The fastest of a sweep on the H200 at the Super EP4, Qwen3-30B-A3B and Nano shapes
+# (benchmarks/fused_tiles_sweep.py, BENCHMARKS.md).
+FC1_TILES = Tiles(128, 256, 64, 8, 3)
+FC1_GLU_TILES = Tiles(128, 128, 64, 8, 3)  # two accumulators (gate and up): 256 columns in all
+DGRAD_TILES = Tiles(128, 256, 64, 8, 3)
+DGRAD_GLU_TILES = Tiles(128, 128, 64, 8, 4)  # the epilogue reads gate and up
+
+
+def covers(config) -> bool:
+    """Whether the fused kernels compute this config's experts (squared ReLU or SiLU, gated or
+    not, glu_linear_offset, the GLU clamp; probs applied after the activation)."""
+    return config.activation_func in ACTIVATIONS and not config.moe_apply_probs_on_input
+
+
+@triton.jit
+def _act_and_slope(x, ACT: tl.constexpr):
+    """act(x) and act'(x), FP32."""
+    if ACT == 0:
+        r = tl.maximum(x, 0.0)
+        a = r * r
+        slope = 2.0 * r
+    else:
+        s = 1.0 / (1.0 + tl.exp(-x))
+        a = x * s
+        slope = s * (1.0 + x * (1.0 - s))
+    return a, slope
+
+
+@triton.jit
+def _find_tile(offs_ptr, num_experts, pid, num_n_tiles, BLOCK_M: tl.constexpr,
+               E_P2: tl.constexpr):
+    """This program's (expert, first row, end row, column tile); expert >= num_experts when the
+    program has no tile."""
+    m_tile = pid // num_n_tiles
+    n_tile = pid % num_n_tiles
+    e = tl.arange(0, E_P2)
+    in_range = e < num_experts
+    ends = tl.load(offs_ptr + e, mask=in_range, other=0)
+    starts = tl.load(offs_ptr + e - 1, mask=in_range & (e > 0), other=0)
+    counts = tl.where(in_range, ends - starts, 0)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(tiles, 0)
+    expert = tl.sum((tile_end <= m_tile).to(tl.int32), 0)
+    mine = e == expert
+    first_tile = tl.sum(tl.where(mine, tile_end - tiles, 0), 0)
+    row_start = tl.sum(tl.where(mine, starts, 0), 0) + (m_tile - first_tile) * BLOCK_M
+    row_end = tl.sum(tl.where(mine, ends, 0), 0)
+    return expert, row_start, row_end, n_tile
+
+
+@triton.jit
+def _fc1_act_kernel(x_ptr, w_ptr, offs_ptr, p_ptr, h_ptr, out_ptr, num_experts, N, K,
+                    num_n_tiles, offset, clamp,
+                    ACT: tl.constexpr, GLU: tl.constexpr, CLAMP: tl.constexpr,
+                    SAVE_H: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_P2: tl.constexpr):
+    """x [T, K], w [E, N or 2N, K] -> out [T, N] = act(h) [* (up + offset)] * p; h [T, N or 2N]
+    (bf16 pre-activation) when SAVE_H."""
+    expert, row_start, row_end, n_tile = _find_tile(
+        offs_ptr, num_experts, tl.program_id(0), num_n_tiles, BLOCK_M, E_P2)
+    if expert >= num_experts:
+        return
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_end
+    rows64 = rows.to(tl.int64)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + rows64[:, None] * K + ks[None, :]
+    w_e = w_ptr + expert.to(tl.int64) * (N * (2 if GLU else 1)) * K
+    b_ptrs = w_e + cols[None, :].to(tl.int64) * K + ks[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GLU:
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = ks < K - k
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        if DOT_FP32:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        if GLU:
+            if EVEN_K:
+                b_up = tl.load(b_ptrs + N * K, mask=col_ok[None, :], other=0.0)
+            else:
+                b_up = tl.load(b_ptrs + N * K, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            if DOT_FP32:
+                b_up = b_up.to(tl.float32)
+            acc_up = tl.dot(a, b_up, acc_up)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    mask = row_ok[:, None] & col_ok[None, :]
+    width = N * 2 if GLU else N
+    h_tile = h_ptr + rows64[:, None] * width + cols[None, :]
+    gate = acc.to(out_ptr.dtype.element_ty)
+    if SAVE_H:
+        tl.store(h_tile, gate, mask=mask)
+    gate = gate.to(tl.float32)
+    if GLU:
+        up = acc_up.to(out_ptr.dtype.element_ty)
+        if SAVE_H:
+            tl.store(h_tile + N, up, mask=mask)
+        up = up.to(tl.float32)
+        if CLAMP:
+            gate = tl.minimum(gate, clamp)
+            up = tl.minimum(tl.maximum(up, -clamp), clamp)
+    a, _ = _act_and_slope(gate, ACT)
+    if GLU:
+        a = a * (up + offset)
+    p = tl.load(p_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows64[:, None] * N + cols[None, :],
+             (a * p[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dgrad_act_kernel(g_ptr, w_ptr, offs_ptr, p_ptr, h_ptr, dh_ptr, dp_ptr, num_experts, N, K,
+                      T, num_n_tiles, offset, clamp,
+                      ACT: tl.constexpr, GLU: tl.constexpr, CLAMP: tl.constexpr,
+                      DPROBS: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_P2: tl.constexpr):
+    """g [T, K] (fc2's output gradient), w [E, K, N] (fc2), h [T, N or 2N] -> dh (d h, bf16)
+    and, when DPROBS, dp [num_n_tiles, T] FP32 partial sums of the probs' gradient."""
+    expert, row_start, row_end, n_tile = _find_tile(
+        offs_ptr, num_experts, tl.program_id(0), num_n_tiles, BLOCK_M, E_P2)
+    if expert >= num_experts:
+        return
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_end
+    rows64 = rows.to(tl.int64)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = g_ptr + rows64[:, None] * K + ks[None, :]
+    b_ptrs = w_ptr + expert.to(tl.int64) * K * N + ks[:, None].to(tl.int64) * N + cols[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = ks < K - k
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        if DOT_FP32:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * N
+    mask = row_ok[:, None] & col_ok[None, :]
+    width = N * 2 if GLU else N
+    h_tile = h_ptr + rows64[:, None] * width + cols[None, :]
+    dh_tile = dh_ptr + rows64[:, None] * width + cols[None, :]
+    p = tl.load(p_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    grad = acc * p[:, None]
+    gate = tl.load(h_tile, mask=mask, other=0.0).to(tl.float32)
+    if GLU:
+        up = tl.load(h_tile + N, mask=mask, other=0.0).to(tl.float32)
+        if CLAMP:
+            gate_ok = gate <= clamp
+            up_ok = (up >= -clamp) & (up <= clamp)
+            gate = tl.minimum(gate, clamp)
+            up = tl.minimum(tl.maximum(up, -clamp), clamp)
+        up = up + offset
+        a, slope = _act_and_slope(gate, ACT)
+        d_gate = grad * up * slope
+        d_up = grad * a
+        if CLAMP:
+            d_gate = tl.where(gate_ok, d_gate, 0.0)
+            d_up = tl.where(up_ok, d_up, 0.0)
+        tl.store(dh_tile, d_gate.to(dh_ptr.dtype.element_ty), mask=mask)
+        tl.store(dh_tile + N, d_up.to(dh_ptr.dtype.element_ty), mask=mask)
+        a = a * up
+    else:
+        a, slope = _act_and_slope(gate, ACT)
+        tl.store(dh_tile, (grad * slope).to(dh_ptr.dtype.element_ty), mask=mask)
+    if DPROBS:
+        partial = tl.sum(tl.where(mask, acc * a, 0.0), 1)
+        tl.store(dp_ptr + n_tile * T + rows, partial, mask=row_ok)
+
+
+def _e_p2(num_experts: int) -> int:
+    return max(16, triton.next_power_of_2(num_experts))
+
+
+def _grid(rows: int, num_experts: int, tiles: Tiles, width: int):
+    """(programs, column tiles): an upper bound on row tiles times the column tiles."""
+    n_tiles = triton.cdiv(width, tiles.block_n)
+    return (triton.cdiv(rows, tiles.block_m) + num_experts) * n_tiles, n_tiles
+
+
+def fc1_activation(x, w1, offs, probs, act, glu, offset, clamp, save_h):
+    """x [T, H], w1 [E, F or 2F, H], offs int32 [E], probs [T] -> (out [T, F], h [T, F or 2F]
+    or None). out = act(h) [* (up + offset)] * probs in x's dtype."""
+    num_experts, width, hidden = w1.shape
+    ffn = width // 2 if glu else width
+    rows = x.shape[0]
+    out = x.new_empty(rows, ffn)
+    h = x.new_empty(rows, width) if save_h else None
+    if rows == 0:
+        return out, h
+    tiles = FC1_GLU_TILES if glu else FC1_TILES
+    programs, n_tiles = _grid(rows, num_experts, tiles, ffn)
+    _fc1_act_kernel[(programs,)](
+        x, w1, offs, probs, h if save_h else out, out, num_experts, ffn, hidden, n_tiles,
+        float(offset), float(clamp or 0.0), ACT=act, GLU=glu, CLAMP=clamp is not None,
+        SAVE_H=save_h, DOT_FP32=INTERPRETER, EVEN_K=hidden % tiles.block_k == 0, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, E_P2=_e_p2(num_experts),
+        num_warps=tiles.warps, num_stages=tiles.stages)
+    return out, h
+
+
+def fc2_dgrad_activation(grad_out, w2, offs, probs, h, act, glu, offset, clamp, want_dprobs):
+    """grad_out [T, H], w2 [E, H, F], h [T, F or 2F] (saved fc1 output), probs [T] ->
+    (d h [T, F or 2F] bf16, d probs [T] FP32 or None)."""
+    num_experts, hidden, ffn = w2.shape
+    rows = grad_out.shape[0]
+    dh = torch.empty_like(h)
+    tiles = DGRAD_GLU_TILES if glu else DGRAD_TILES
+    programs, n_tiles = _grid(rows, num_experts, tiles, ffn)
+    if rows == 0:
+        return dh, (probs.new_zeros(0, dtype=torch.float32) if want_dprobs else None)
+    partial = (torch.empty(n_tiles, rows, dtype=torch.float32, device=h.device)
+               if want_dprobs else dh)
+    _dgrad_act_kernel[(programs,)](
+        grad_out, w2, offs, probs, h, dh, partial, num_experts, ffn, hidden, rows, n_tiles,
+        float(offset), float(clamp or 0.0), ACT=act, GLU=glu, CLAMP=clamp is not None,
+        DPROBS=want_dprobs, DOT_FP32=INTERPRETER, EVEN_K=hidden % tiles.block_k == 0, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, E_P2=_e_p2(num_experts),
+        num_warps=tiles.warps, num_stages=tiles.stages)
+    return dh, (partial.sum(0) if want_dprobs else None)
+
+
+class Fc1Activation(torch.autograd.Function):
+    """x [T, H] -> (act(h) [* (up + offset)] * probs [T, F], h [T, F or 2F]) with h = fc1(x),
+    frozen w1 [E, F or 2F, H]. The first output carries no gradient back (Fc2AfterActivation
+    hands the gradient of h instead); backward is fc1's input gradient, d x = d h @ w1[e]."""
+
+    @staticmethod
+    def forward(ctx, x, probs, w1, offs, grouped_mm, act, glu, offset, clamp):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(w1, offs)
+        ctx.grouped_mm = grouped_mm
+        inter, h = fc1_activation(x.contiguous(), w1, offs, probs.contiguous(), act, glu, offset,
+                                  clamp, save_h=True)
+        ctx.mark_non_differentiable(inter)
+        return inter, h
+
+    @staticmethod
+    def backward(ctx, _grad_inter, grad_h):
+        w1, offs = ctx.saved_tensors
+        if grad_h is None or grad_h.shape[0] == 0:
+            return (None if grad_h is None else grad_h.new_zeros(0, w1.shape[2]),
+                    None, None, None, None, None, None, None, None)
+        return ctx.grouped_mm(grad_h, w1, offs=offs), None, None, None, None, None, None, None, None
+
+
+class Fc2AfterActivation(torch.autograd.Function):
+    """(inter [T, F], h [T, F or 2F], probs [T]) -> inter @ w2[e].T [T, H], frozen w2 [E, H, F].
+
+    inter is Fc1Activation's act(h) * probs; backward skips it and returns the gradients of h and
+    probs straight from the fused fc2 input-gradient kernel. Saves h, probs, w2 and the offsets;
+    h is freed when this backward ends, before fc1's input gradient runs."""
+
+    @staticmethod
+    def forward(ctx, inter, h, probs, w2, offs, grouped_mm, act, glu, offset, clamp):
+        ctx.save_for_backward(h, probs, w2, offs)
+        ctx.args = (act, glu, offset, clamp)
+        if inter.shape[0] == 0:
+            return inter.new_empty(0, w2.shape[1])
+        return grouped_mm(inter, w2.transpose(1, 2), offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h, probs, w2, offs = ctx.saved_tensors
+        dh, dprobs = fc2_dgrad_activation(grad_out.contiguous(), w2, offs, probs.contiguous(), h,
+                                          *ctx.args, want_dprobs=ctx.needs_input_grad[2])
+        if dprobs is not None:
+            dprobs = dprobs.to(probs.dtype)
+        return None, dh, dprobs, None, None, None, None, None, None, None
+
+
+def fused_experts(config, x, probs, w1, w2, offs, grouped_mm):
+    """TorchGroupedMLP's forward through the fused kernels: x [T, H], probs [T] -> [T, H]."""
+    clamp = config.activation_func_clamp_value if config.gated_linear_unit else None
+    args = (ACTIVATIONS[config.activation_func], bool(config.gated_linear_unit),
+            float(config.glu_linear_offset), None if clamp is None else float(clamp))
+    if not (torch.is_grad_enabled() and (x.requires_grad or probs.requires_grad)):
+        inter, _ = fc1_activation(x.contiguous(), w1, offs, probs.contiguous(), *args,
+                                  save_h=False)
+        if x.shape[0] == 0:
+            return x.new_empty(0, w2.shape[1])
+        return grouped_mm(inter, w2.transpose(1, 2), offs=offs)
+    inter, h = Fc1Activation.apply(x, probs, w1, offs, grouped_mm, *args)
+    return Fc2AfterActivation.apply(inter, h, probs, w2, offs, grouped_mm, *args)
