@@ -8,6 +8,7 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 BACKENDS = ("transformer_engine", "torch")
+EXPERT_KERNELS = ("auto", "fused_gemm", "grouped_mm")  # moe_expert_kernel
 MAX_LOCAL_EXPERTS = 1023  # grouped GEMM's CUTLASS path takes fewer than 1024 groups
 ALIGN_ELEMENTS = 8  # 16-byte strides for bf16 operands
 
@@ -227,5 +228,9 @@ class TorchExpertsTransformerConfig(TransformerConfig):
         super().__post_init__()
         if self.moe_expert_gemm_backend == "torch":
             validate_torch_experts_config(self)
+        if self.moe_expert_kernel not in EXPERT_KERNELS:
+            raise TorchExpertsConfigError(
+                f"moe_expert_kernel={self.moe_expert_kernel!r} is not a kernel choice: set it to "
+                f"one of {EXPERT_KERNELS}.")
         if self.moe_combine_in_fp32:
             validate_fp32_combine_config(self)

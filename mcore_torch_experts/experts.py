@@ -19,7 +19,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import sharded_state_dict_default
 
 from . import _compat
-from .config import validate_torch_experts_config
+from .config import EXPERT_KERNELS, TorchExpertsConfigError, validate_torch_experts_config
 from .grouped_gemm import Splits, find_grouped_mm, frozen_grouped_linear, group_offsets
 
 TRAINABLE_BASE_ERROR = (
@@ -262,7 +262,6 @@ class TorchGroupedLinear(torch.nn.Module):
                 f"grouped_mm={self.grouped_mm_name}")
 
 
-EXPERT_KERNELS = ("auto", "fused_gemm", "grouped_mm")
 FUSED_GEMM_AUTO_CAPABILITIES = ((9, 0),)
 """GPUs where "auto" picks the fused GEMM kernels, for non-gated activations only: there they
 measured faster than grouped_mm + the fused activation kernel on the H200; gated ones (SwiGLU)
@@ -287,8 +286,8 @@ def choose_expert_kernel(config: TransformerConfig) -> str:
     or "grouped_mm"; a forced "fused_gemm" that cannot run is an error."""
     setting = getattr(config, "moe_expert_kernel", "auto")
     if setting not in EXPERT_KERNELS:
-        raise ValueError(f"moe_expert_kernel={setting!r} is not a kernel choice: set it to one "
-                         f"of {EXPERT_KERNELS}.")
+        raise TorchExpertsConfigError(f"moe_expert_kernel={setting!r} is not a kernel choice: "
+                                      f"set it to one of {EXPERT_KERNELS}.")
     if setting == "grouped_mm":
         return setting
     reason = _fused_gemm_support(config)

@@ -110,7 +110,12 @@ def test_fused_experts_match_fp64_in_the_interpreter():
 
 
 def test_kernel_setting_is_checked():
-    with pytest.raises(ValueError, match="moe_expert_kernel='nope' is not a kernel choice"):
+    from mcore_torch_experts import TorchExpertsConfigError, TorchExpertsTransformerConfig
+
+    with pytest.raises(TorchExpertsConfigError, match="moe_expert_kernel='nope' is not a kernel"):
+        TorchExpertsTransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
+                                      moe_expert_kernel="nope")
+    with pytest.raises(TorchExpertsConfigError, match="moe_expert_kernel='nope' is not a kernel"):
         choose_expert_kernel(make_config(moe_expert_kernel="nope"))
     with pytest.raises(ValueError, match="moe_expert_kernel='fused_gemm' cannot run"):
         choose_expert_kernel(make_config(activation="gelu", glu=False,
