@@ -85,42 +85,62 @@ def describe_layers(model) -> str:
                      for i, layer in enumerate(model.decoder.layers))
 
 
+# Megatron modules that `import megatron.bridge` (0.6.2) imports: imported before the stand-in
+# below is visible, so that each decides whether Transformer Engine is present without it.
+BRIDGE_PREIMPORT = (
+    "megatron.core.extensions.transformer_engine",
+    "megatron.core.models.hybrid.hybrid_layer_specs",
+    "megatron.core.models.T5",
+    "megatron.core.models.multimodal.llava_model",
+    "megatron.core.models.vision.radio",
+    "megatron.core.models.vision.vit_layer_specs",
+    "megatron.core.ssm.mamba_hybrid_layer_allocation",
+    "megatron.training",
+)
+
+
 def import_megatron_bridge():
-    """`import megatron.bridge` (and its LoRA), on a host without Transformer Engine too.
+    """`import megatron.bridge` (and its PEFT modules), on a host without Transformer Engine too.
 
     Megatron-Bridge's `peft/lora_layers.py` runs `import transformer_engine.pytorch as te`
     unconditionally (and uses `te.Linear`, `te.LayerNormLinear`, `te.ops.Sequential` in
     isinstance checks and annotations). Without TE, a stand-in module with those three names
     (classes nothing is an instance of) is visible while Bridge is imported and removed right
-    after, so Megatron-Core, which decided HAVE_TE=False when it was imported first, keeps
-    running without TE. Bridge's PEFT modules then hold Megatron-Core's placeholders for the TE
-    classes and `HAVE_TE*` flags that say TE is there; the flags are set to False, which is what
-    they mean here (their `isinstance` checks against placeholders would raise). With TE
-    installed nothing is stood in.
+    after. Megatron-Core decides whether TE is present when each of its modules is first
+    imported, so every Megatron-Core module Bridge's import pulls in is imported first
+    (BRIDGE_PREIMPORT), and one first imported while the stand-in is visible is an error naming
+    it. Bridge's PEFT modules then hold Megatron-Core's placeholders for the TE classes and
+    `HAVE_TE*` flags that say TE is there; the flags are set to False, which is what they mean
+    here (their `isinstance` checks against placeholders would raise). With TE installed, or
+    once Bridge is imported, nothing is stood in.
     """
+    import importlib
     import importlib.util
     import sys
     import types
 
-    import megatron.core.extensions.transformer_engine  # noqa: F401  (HAVE_TE decided now)
-    import megatron.core.models.hybrid.hybrid_layer_specs  # noqa: F401  (idem, via Bridge)
-    import megatron.training  # noqa: F401  (idem)
-
-    if importlib.util.find_spec("transformer_engine") is not None:
-        import megatron.bridge
-        return megatron.bridge
+    bridge_modules = ("megatron.bridge", "megatron.bridge.peft.lora",
+                      "megatron.bridge.peft.canonical_lora", "megatron.bridge.peft.dora")
+    if "megatron.bridge.peft.lora" in sys.modules or importlib.util.find_spec("transformer_engine"):
+        for name in bridge_modules:
+            importlib.import_module(name)
+        return sys.modules["megatron.bridge"]
+    for name in BRIDGE_PREIMPORT:
+        importlib.import_module(name)
 
     class _NoTEModule:
         """No object is an instance of this: Bridge's TE branches are never taken."""
 
     te = types.ModuleType("transformer_engine")
+    te.__path__ = []
     te.pytorch = types.ModuleType("transformer_engine.pytorch")
     te.pytorch.Linear = te.pytorch.LayerNormLinear = _NoTEModule
     te.pytorch.ops = types.SimpleNamespace(Sequential=_NoTEModule)
+    before = set(sys.modules)
     sys.modules.update({"transformer_engine": te, "transformer_engine.pytorch": te.pytorch})
     try:
-        import megatron.bridge
-        import megatron.bridge.peft.lora  # noqa: F401  (lora_layers imports TE)
+        for name in bridge_modules:
+            importlib.import_module(name)
     finally:
         del sys.modules["transformer_engine"], sys.modules["transformer_engine.pytorch"]
     from megatron.bridge.peft import module_matcher, utils
@@ -128,4 +148,9 @@ def import_megatron_bridge():
     for module in (utils, module_matcher):
         for flag in [name for name in vars(module) if name.startswith("HAVE_TE")]:
             setattr(module, flag, False)
-    return megatron.bridge
+    leaked = sorted(name for name in set(sys.modules) - before
+                    if name.startswith("megatron.") and not name.startswith("megatron.bridge"))
+    if leaked:
+        raise RuntimeError(f"Megatron-Core modules first imported while the Transformer Engine "
+                           f"stand-in was visible (add them to BRIDGE_PREIMPORT): {leaked}")
+    return sys.modules["megatron.bridge"]
