@@ -125,9 +125,12 @@ class TorchGroupedLinear(torch.nn.Module):
             self._repack([index])
 
     def _views_slot(self, index: int, weight: torch.Tensor) -> bool:
+        """Whether `weight` is slot `index` of the buffer (address arithmetic: this runs for
+        every expert of every forward, and indexing the buffer would make a tensor each time)."""
         packed = self._packed
+        slot = packed.data_ptr() + index * packed.stride(0) * packed.element_size()
         return (weight.dtype == packed.dtype and weight.device == packed.device
-                and weight.data_ptr() == packed[index].data_ptr())
+                and weight.data_ptr() == slot)
 
     def packed(self, refuse_trainable: bool = False) -> torch.Tensor:
         """The packed weight [E, out, in] for this call, with one walk over the experts.

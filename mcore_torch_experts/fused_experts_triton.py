@@ -22,13 +22,11 @@ import os
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
-from megatron.core.activations import squared_relu
 
-SQUARED_RELU, SILU = 0, 1
-ACTIVATIONS = {squared_relu: SQUARED_RELU, F.silu: SILU}
+from .activation_triton import ACTIVATIONS, _act_and_slope
+
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 """Under triton's interpreter a bf16 tl.dot reads its operands' bits wrongly: the kernels feed
 it FP32 copies there (bf16 products are exact in FP32, so the result is the same up to the
@@ -57,20 +55,6 @@ def covers(config) -> bool:
     """Whether the fused kernels compute this config's experts (squared ReLU or SiLU, gated or
     not, glu_linear_offset, the GLU clamp; probs applied after the activation)."""
     return config.activation_func in ACTIVATIONS and not config.moe_apply_probs_on_input
-
-
-@triton.jit
-def _act_and_slope(x, ACT: tl.constexpr):
-    """act(x) and act'(x), FP32."""
-    if ACT == 0:
-        r = tl.maximum(x, 0.0)
-        a = r * r
-        slope = 2.0 * r
-    else:
-        s = 1.0 / (1.0 + tl.exp(-x))
-        a = x * s
-        slope = s * (1.0 + x * (1.0 - s))
-    return a, slope
 
 
 @triton.jit

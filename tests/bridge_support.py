@@ -6,6 +6,9 @@ import only (see its docstring). Here tests skip, with the reason, where Bridge 
 """
 
 import importlib.util
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,3 +27,15 @@ def import_bridge_peft() -> None:
     from cpu_support import import_megatron_bridge
 
     import_megatron_bridge()
+
+
+def run_worker(worker: Path, out: Path) -> dict:
+    """Run a Bridge test worker in its own process (the stand-in never reaches this one): `worker
+    OUT RESULT_JSON`, with the repository on PYTHONPATH and a port of its own; its JSON result."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(worker.parents[1]), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-W", "ignore", str(worker), str(out),
+                          str(out / "result.json")], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return json.loads((out / "result.json").read_text())

@@ -26,8 +26,9 @@ def make_config(moe_expert_kernel=None, **kw):
 
 CHECK = textwrap.dedent("""
     import torch
+    from mcore_torch_experts.activation_triton import SILU
     from mcore_torch_experts.fused_experts_triton import (
-        SILU, covers, fc1_activation, fc2_dgrad_activation, fused_experts)
+        covers, fc1_activation, fc2_dgrad_activation, fused_experts)
     from mcore_torch_experts.grouped_gemm import find_grouped_mm
     from reference import fp64_experts, make_config, rel_err
 

@@ -7,13 +7,11 @@ must reproduce the Megatron logits with the adapters live (FP32). Runs in a subp
 TE."""
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from bridge_support import run_worker
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None
@@ -29,14 +27,7 @@ EXPERT_LINEARS = [f"decoder.layers.{i}.mlp.experts.linear_fc{j}" for i in (0, 1)
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf_bridge_lora")
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parents[1]), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-W", "ignore", str(WORKER), str(out),
-                          str(out / "result.json")], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return json.loads((out / "result.json").read_text())
+    return run_worker(WORKER, tmp_path_factory.mktemp("hf_bridge_lora"))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

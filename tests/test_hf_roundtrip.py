@@ -4,13 +4,11 @@ adapters merged and exported (transformers reproduces the Megatron logits). Runs
 (hf_roundtrip_worker.py): Bridge's import needs a Transformer Engine stand-in on hosts without TE."""
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from bridge_support import run_worker
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None
@@ -23,14 +21,7 @@ NUM_LORA_WRAPPERS = 2 * 4  # 2 layers x (linear_qkv, linear_proj, experts fc1, e
 
 @pytest.fixture(scope="module")
 def roundtrip(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf_roundtrip")
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parents[1]), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-W", "ignore", str(WORKER), str(out),
-                          str(out / "result.json")], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return json.loads((out / "result.json").read_text())
+    return run_worker(WORKER, tmp_path_factory.mktemp("hf_roundtrip"))
 
 
 def test_import_puts_every_hf_expert_weight_in_the_packed_buffers(roundtrip):
