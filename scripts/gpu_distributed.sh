@@ -17,6 +17,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore OMP_NUM_THREADS=4
 PYTHON=${PYTHON:-python3}
 OUT=${OUT_DIR:-$(mktemp -d /tmp/gpu_distributed.XXXXXX)}
+mkdir -p "$OUT"
 status=0
 
 gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())") || exit 1
