@@ -1,10 +1,12 @@
 """Run Megatron-Core examples on one process, on a CPU-only host too.
 
 megatron-core 0.16.1 refers to `te_general_gemm` in the router even without Transformer Engine
-(on the GPU too): it is defined as None here when TE is absent. On a machine without CUDA, the
-router's `torch.cuda.current_device()` answers "cpu", and attention dropout's CUDA RNG-tracker
-fork and the checkpoint's CUDA RNG save/restore are no-ops, so the examples build and run a real MoE layer or GPTModel (pass an explicit
-attention mask: Megatron's default causal mask is made on CUDA).
+(on the GPU too): it is defined as None here when TE is absent. On the CPU (a machine without
+CUDA, or `init_single_process_megatron(on_cpu=True)`), the router's `torch.cuda.current_device()`
+answers "cpu", its gating GEMM is torch's (TE's takes CUDA tensors only), and attention dropout's
+CUDA RNG-tracker fork and the checkpoint's CUDA RNG save/restore are no-ops, so the examples
+build and run a real MoE layer or GPTModel (pass an explicit attention mask: Megatron's default
+causal mask is made on CUDA).
 """
 
 import contextlib
@@ -20,24 +22,26 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def init_single_process_megatron() -> None:
-    """One process (gloo, or NCCL with a GPU) with Megatron's parallel state (every size 1)."""
+def init_single_process_megatron(on_cpu: bool = None) -> None:
+    """One process with Megatron's parallel state (every size 1): NCCL with a GPU, gloo and the
+    CPU adaptations below on the CPU. `on_cpu` (default: when there is no CUDA device) keeps
+    Megatron on the CPU on a CUDA host too (an FP32 model on the CPU)."""
     from megatron.core import parallel_state
 
+    on_cpu = not torch.cuda.is_available() if on_cpu is None else on_cpu
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        torch.distributed.init_process_group(backend, rank=0, world_size=1)
+        torch.distributed.init_process_group("gloo" if on_cpu else "nccl", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
     _define_te_general_gemm_without_te()
-    if torch.cuda.is_available():
+    if on_cpu:
+        _adapt_megatron_to_cpu()
+    else:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(1234)
-    else:
-        _adapt_megatron_to_cpu()
 
 
 def _define_te_general_gemm_without_te() -> None:
@@ -50,7 +54,13 @@ def _define_te_general_gemm_without_te() -> None:
 
 
 def _adapt_megatron_to_cpu() -> None:
+    # The router, rope and Megatron's buffers allocate on `torch.cuda.current_device()`.
     torch.cuda.current_device = lambda: "cpu"
+    # With Transformer Engine importable the router's gating GEMM calls TE's, which takes CUDA
+    # tensors only; None is the router's torch.mm path.
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = None
     # The re-entrant checkpoint saves and restores the CUDA RNG state, which a CPU-only torch
     # lacks (the CPU RNG is still restored).
     from megatron.core.tensor_parallel import random

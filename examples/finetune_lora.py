@@ -3,6 +3,7 @@ full activation recompute.
 
     python examples/finetune_lora.py [--steps 300] [--recompute-method uniform|block]
                                      [--expert-adapter per_expert|shared] [--out-dir DIR]
+                                     [--transformer-engine]
 
 1. builds a small GPT-MoE from the reference spec with moe_expert_gemm_backend="torch"
 2. checks its first MoE layer against the same layer with Megatron's SequentialMLP experts
@@ -12,12 +13,14 @@ full activation recompute.
 6. saves the adapters, reloads them into a freshly built model, checks the loss matches
 7. writes losses.csv and loss_curve.png (when matplotlib is importable) under --out-dir
 
-CPU: FP32, a couple of minutes on two cores. GPU: BF16 base, FP32 adapter weights.
+CPU: FP32, a couple of minutes on two cores. GPU: BF16 base, FP32 adapter weights;
+--transformer-engine builds every layer from Megatron's TE spec (TE attention and linears).
 """
 
 import argparse
 import csv
 import dataclasses
+import importlib.util
 import math
 import time
 from pathlib import Path
@@ -194,7 +197,13 @@ def main():
     parser.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out-dir", type=Path, default=Path("runs/finetune_lora"))
+    parser.add_argument("--transformer-engine", action="store_true",
+                        help="every layer from Megatron's TE spec (TE attention and linears); "
+                             "needs Transformer Engine and a CUDA device")
     args = parser.parse_args()
+    if args.transformer_engine and not (torch.cuda.is_available()
+                                        and importlib.util.find_spec("transformer_engine")):
+        parser.error("--transformer-engine needs Transformer Engine and a CUDA device")
 
     init_single_process_megatron()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -206,18 +215,21 @@ def main():
         """The frozen base (same seed, same weights) with fresh LoRA adapters."""
         seed_everything(args.seed)
         if guard:
-            model = build_gpt_model(config, vocab_size=args.vocab, max_sequence_length=args.seq)
+            model = build_gpt_model(config, vocab_size=args.vocab, max_sequence_length=args.seq,
+                                    use_transformer_engine=args.transformer_engine)
         else:  # Megatron's own path, for the comparison
-            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+            spec = get_gpt_decoder_block_spec(config,
+                                              use_transformer_engine=args.transformer_engine)
             model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
                              max_sequence_length=args.seq)
         return model.to(device=device, dtype=dtype)  # as Megatron's Float16Module casts it
 
     model = fresh_model()
     experts = sum(isinstance(m, TorchGroupedMLP) for m in model.modules())
-    print(f"[model] GPT-MoE on {device} ({dtype}): {args.layers} layers, hidden {args.hidden}, "
-          f"{args.experts} experts top-{args.topk} (SwiGLU, ffn {args.ffn}), vocab {args.vocab}; "
-          f"{experts} TorchGroupedMLP modules")
+    modules = "Megatron's TE spec" if args.transformer_engine else "local modules"
+    print(f"[model] GPT-MoE on {device} ({dtype}, {modules}): {args.layers} layers, "
+          f"hidden {args.hidden}, {args.experts} experts top-{args.topk} (SwiGLU, ffn {args.ffn}), "
+          f"vocab {args.vocab}; {experts} TorchGroupedMLP modules")
     model.requires_grad_(False)  # the frozen base (apply_lora freezes it too)
     check_against_sequential_mlp(model, config, device)
 

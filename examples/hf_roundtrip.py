@@ -1,6 +1,6 @@
 """Bring your own checkpoint: a Hugging Face Qwen3-MoE checkpoint imported with Megatron-Bridge
 into a model whose experts are TorchGroupedMLP, LoRA adapters trained on it, and the result
-exported back to Hugging Face format. CPU by default, FP32; needs megatron-bridge and
+exported back to Hugging Face format. On the CPU (a CUDA host too), FP32; needs megatron-bridge and
 transformers (the Python 3.12 / megatron-core 0.19 leg).
 
     python examples/hf_roundtrip.py [--out-dir runs/hf_roundtrip] [--steps 20]
@@ -58,8 +58,10 @@ def import_with_torch_experts(path: Path):
     provider.moe_expert_gemm_backend = "torch"
     provider.moe_grouped_gemm = True
     provider.transformer_layer_spec = functools.partial(
-        gpt_transformer_layer_spec, use_transformer_engine=torch.cuda.is_available())
-    # CPU, one process: the allgather dispatcher and unfused kernels.
+        gpt_transformer_layer_spec, use_transformer_engine=False)
+    # CPU, one process (on a CUDA host too): local modules, the allgather dispatcher and unfused
+    # kernels (Bridge turns gradient-accumulation fusion on wherever TE is importable).
+    provider.gradient_accumulation_fusion = False
     provider.moe_token_dispatcher_type = "allgather"
     provider.moe_permute_fusion = False
     provider.masked_softmax_fusion = False
@@ -188,7 +190,7 @@ def main():
     args = parser.parse_args()
     out = Path(args.out_dir)
     import_megatron_bridge()
-    init_single_process_megatron()
+    init_single_process_megatron(on_cpu=True)
     from safetensors.torch import load_file
 
     make_tiny_checkpoint(out / "hf_tiny")

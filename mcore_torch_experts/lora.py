@@ -116,8 +116,10 @@ class PerExpertLoRAAdapter(torch.nn.Module):
 class LoRALinear(torch.nn.Module):
     """`to_wrap(x, *args, **kwargs) -> (out, bias)` plus `adapter(x, *args)`.
 
-    A base with a `return_layernorm_output` switch (TE LayerNorm linears) is asked for its
-    layer-norm output, and the adapter gets that instead of x, as in Megatron-Bridge.
+    A base with a `return_layernorm_output` switch (TE's LayerNorm column linear) is asked for
+    its layer-norm output, and the adapter gets that instead of x, as in Megatron-Bridge. The
+    base may answer in any form Megatron's linears use: `(out, bias)`, `((out, ln_out), bias)`
+    (TE with the switch on), `(out, bias, ln_out)`.
     """
 
     def __init__(self, to_wrap: torch.nn.Module, adapter: torch.nn.Module):
@@ -134,8 +136,11 @@ class LoRALinear(torch.nn.Module):
         if not isinstance(base_out, tuple):
             raise TypeError(f"LoRALinear: the base must return (out, bias), got "
                             f"{type(base_out).__name__}")
-        out, bias = base_out[0], base_out[1]
-        adapter_in = base_out[2] if len(base_out) == 3 else x
+        out, bias, adapter_in = base_out[0], base_out[1], x
+        if len(base_out) == 3:
+            adapter_in = base_out[2]
+        elif isinstance(out, tuple):
+            out, adapter_in = out
         return out + self.adapter(adapter_in, *args).reshape(out.shape), bias
 
     def _wrap_base_keys(self, state_dict, prefix, *args):

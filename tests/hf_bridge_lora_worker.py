@@ -86,7 +86,7 @@ def measure(out: Path, layout: str, tokens: torch.Tensor) -> dict:
 
 def main(out: Path, result_path: Path) -> None:
     import_megatron_bridge()
-    init_single_process_megatron()
+    init_single_process_megatron(on_cpu=True)
     example.make_tiny_checkpoint(out / "hf_tiny", seed=3)
     tokens = torch.randint(0, example.TINY_QWEN3_MOE["vocab_size"], (2, 16),
                            generator=torch.Generator().manual_seed(5))

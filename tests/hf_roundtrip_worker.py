@@ -38,7 +38,7 @@ def expert_weights_match(model, original, config) -> bool:
 
 def main(out: Path, result_path: Path) -> None:
     import_megatron_bridge()
-    init_single_process_megatron()
+    init_single_process_megatron(on_cpu=True)
     from safetensors.torch import load_file
 
     example.make_tiny_checkpoint(out / "hf_tiny", seed=3)

@@ -157,11 +157,11 @@ def test_each_layout_matches_the_fp64_per_expert_loop(bridge, megatron_cpu, layo
 @CUDA
 @pytest.mark.parametrize("splits_name", list(SPLITS))
 @pytest.mark.parametrize("layout", list(CUDA_LAYOUTS))
-def test_each_layout_in_bf16_on_cuda_matches_the_fp64_per_expert_loop(bridge, megatron_cpu, layout,
+def test_each_layout_in_bf16_on_cuda_matches_the_fp64_per_expert_loop(bridge, megatron_world, layout,
                                                                       splits_name):
     """BF16 experts and BF16 adapters on the GPU (Bridge's per-expert adapters take its
     grouped-GEMM path there), every gradient against FP64."""
-    errors, out = layout_errors(bridge, megatron_cpu, CUDA_LAYOUTS[layout], SPLITS[splits_name],
+    errors, out = layout_errors(bridge, megatron_world, CUDA_LAYOUTS[layout], SPLITS[splits_name],
                                 torch.bfloat16, "cuda")
     print(layout, splits_name, {k: f"{v:.1e}" for k, v in errors.items()})
     assert len(errors) == 2 + 4 and max(errors.values()) < BF16_TOL, errors
@@ -382,10 +382,10 @@ def test_shared_outer_checkpoint_is_bridge_s_own_limit(bridge, megatron_cpu_trai
     pytest.param(torch.bfloat16, "cpu", id="bf16-cpu"),
     pytest.param(torch.bfloat16, "cuda", id="bf16-cuda", marks=CUDA)])
 @pytest.mark.parametrize("layout", ["shared", "per_expert", "shared_outer"])
-def test_merge_folds_expert_adapters_into_the_packed_weights(bridge, megatron_cpu, layout, dtype,
+def test_merge_folds_expert_adapters_into_the_packed_weights(bridge, megatron_world, layout, dtype,
                                                              device):
     config = make_config(dtype=dtype, moe_ffn_hidden_size=48)
-    root = experts_holder(config, megatron_cpu)
+    root = experts_holder(config, megatron_world)
     bridge["LoRA"](target_modules=["linear_fc1", "linear_fc2"], dim=16, alpha=8,
                    **LAYOUTS[layout])(root)
     randomize_adapters(root)

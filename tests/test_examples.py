@@ -2,23 +2,26 @@
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 RUNS = {
     "megatron_lm_provider": ([], "1: TorchGroupedMLP, 2: TorchGroupedMLP"),
     "bridge_style_provider": ([], "1: TorchGroupedMLP, 2: TorchGroupedMLP"),
     "demo_moe_layer": (["--experts", "4", "--tokens", "64", "--hidden", "64", "--ffn", "64",
-                        "--repeats", "1"], "output relative L2 difference:         0.000e+00"),
+                        "--repeats", "1"], "output relative L2 difference:"),
     "finetune_lora": (["--steps", "6", "--layers", "2", "--hidden", "64", "--ffn", "64",
                        "--experts", "4", "--batch", "2", "--seq", "16", "--out-dir", "{tmp}"],
                       "adapters reloaded into a fresh model: same loss"),
     "hf_roundtrip": (["--steps", "4", "--out-dir", "{tmp}"], "export: 45 tensors, all equal"),
 }
+DEMO_CUDA_BF16_TOL = 1e-2  # TorchGroupedMLP vs SequentialMLP in BF16 (fused activation, grouped GEMM)
 NEEDS_BRIDGE = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None
     or importlib.util.find_spec("megatron.bridge") is None,
@@ -36,3 +39,7 @@ def test_example_runs(name, tmp_path):
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert expected in result.stdout, result.stdout[-3000:]
+    if name == "demo_moe_layer":  # FP32 eager ops on the CPU: equal; BF16 on CUDA: rounding
+        differences = re.findall(r"relative L2 difference: +([0-9.e+-]+)", result.stdout)
+        bound = DEMO_CUDA_BF16_TOL if torch.cuda.is_available() else 0.0
+        assert len(differences) == 2 and all(float(d) <= bound for d in differences), differences

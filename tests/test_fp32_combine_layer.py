@@ -35,7 +35,7 @@ def capture_expert_rows(layer):
 
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
 @pytest.mark.parametrize("chunk_rows", [0, 7])
-def test_top_k_sum_is_rounded_once(megatron_cpu, cpu_cuda_streams, monkeypatch, dispatcher,
+def test_top_k_sum_is_rounded_once(megatron_world, cpu_cuda_streams, monkeypatch, dispatcher,
                                   chunk_rows):
     config = make_config(num_experts=EXPERTS, hidden=HIDDEN, ffn=64, moe_router_topk=TOP_K,
                          moe_token_dispatcher_type=dispatcher, moe_aux_loss_coeff=0.0)
@@ -83,7 +83,7 @@ def test_top_k_sum_is_rounded_once(megatron_cpu, cpu_cuda_streams, monkeypatch, 
     assert rel < 2e-2  # same math; the FP32 combine only changes the rounding of the sum
 
 
-def test_unsupported_dispatcher_is_refused(megatron_cpu):
+def test_unsupported_dispatcher_is_refused(megatron_world):
     from mcore_torch_experts import _compat
 
     with pytest.raises(TypeError, match="allgather and alltoall"):
@@ -166,7 +166,7 @@ def alltoall_pair(**overrides):
     return ours.to(DEVICE), megatron.to(DEVICE)
 
 
-def test_alltoall_overlapped_shared_experts_run_once_per_forward(megatron_cpu, cpu_cuda_streams):
+def test_alltoall_overlapped_shared_experts_run_once_per_forward(megatron_world, cpu_cuda_streams):
     """The FP32 combine keeps the dispatcher's shared-expert protocol: each call Megatron's own
     dispatcher makes happens exactly as often, on every supported release."""
     ours, megatron = alltoall_pair()
@@ -183,7 +183,7 @@ def test_alltoall_overlapped_shared_experts_run_once_per_forward(megatron_cpu, c
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_alltoall_with_shared_experts_matches_megatron(megatron_cpu, cpu_cuda_streams, overlap):
+def test_alltoall_with_shared_experts_matches_megatron(megatron_world, cpu_cuda_streams, overlap):
     """Real shared experts, run by the MoE layer (overlap off) or inside the dispatcher (overlap
     on): their fc2 runs once per forward and the output equals MoELayer's."""
     if overlap and not torch.cuda.is_available():

@@ -45,8 +45,8 @@ def forward_backward(module, x, splits, probs, grad_out):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("splits_name", list(SPLITS))
-def test_bf16_parity_on_cuda(megatron_cpu, case, splits_name):
-    config, experts, seq = build_pair(megatron_cpu, **CASES[case])
+def test_bf16_parity_on_cuda(megatron_world, case, splits_name):
+    config, experts, seq = build_pair(megatron_world, **CASES[case])
     splits = SPLITS[splits_name]
     rows = sum(splits)
     x = torch.randn(rows, HIDDEN, device="cuda").bfloat16()
@@ -71,8 +71,8 @@ def test_bf16_parity_on_cuda(megatron_cpu, case, splits_name):
     assert errors["out_vs_seq"] < 1e-2 and errors["grad_vs_seq"] < 1e-2
 
 
-def test_device_splits_cause_no_host_sync(megatron_cpu):
-    _, experts, _ = build_pair(megatron_cpu, activation="silu", glu=True)
+def test_device_splits_cause_no_host_sync(megatron_world):
+    _, experts, _ = build_pair(megatron_world, activation="silu", glu=True)
     splits = torch.tensor(SPLITS["skewed"], device="cuda")
     rows = sum(SPLITS["skewed"])
     x = torch.randn(rows, HIDDEN, device="cuda").bfloat16().requires_grad_(True)
@@ -89,8 +89,8 @@ def test_device_splits_cause_no_host_sync(megatron_cpu):
     assert x.grad is not None
 
 
-def test_fp32_input_on_cuda_is_refused(megatron_cpu):
-    _, experts, _ = build_pair(megatron_cpu, activation="silu", glu=True)
+def test_fp32_input_on_cuda_is_refused(megatron_world):
+    _, experts, _ = build_pair(megatron_world, activation="silu", glu=True)
     experts.float()
     with pytest.raises(TypeError, match="needs bfloat16"):
         experts(torch.randn(8, HIDDEN, device="cuda"), [1] * EXPERTS, torch.rand(8, device="cuda"))
@@ -115,9 +115,9 @@ def test_malformed_device_splits_trip_the_device_assert(tmp_path):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_fused_activation_matches_eager_on_cuda(megatron_cpu, case):
+def test_fused_activation_matches_eager_on_cuda(megatron_world, case):
     """The fused activation x probs kernel rounds once; the eager path rounds act(x) first."""
-    _, experts, _ = build_pair(megatron_cpu, **CASES[case])
+    _, experts, _ = build_pair(megatron_world, **CASES[case])
     assert experts.activation_impl == "fused"
     splits = torch.tensor(SPLITS["skewed"], device="cuda")
     rows = sum(SPLITS["skewed"])
@@ -150,10 +150,10 @@ def _with_kernel(experts, kernel):
 
 @pytest.mark.parametrize("case", list(FUSED_CASES))
 @pytest.mark.parametrize("splits_name", [*SPLITS, "empty"])
-def test_fused_gemm_matches_fp64_and_grouped_mm(megatron_cpu, case, splits_name):
+def test_fused_gemm_matches_fp64_and_grouped_mm(megatron_world, case, splits_name):
     """The fused GEMM path (forced) against the FP64 loop and the grouped_mm path: output, input
     gradient and the probs' gradient."""
-    config, experts, _ = build_pair(megatron_cpu, **FUSED_CASES[case])
+    config, experts, _ = build_pair(megatron_world, **FUSED_CASES[case])
     splits = SPLITS.get(splits_name, [0] * EXPERTS)
     rows = sum(splits)
     x = torch.randn(rows, HIDDEN, device="cuda").bfloat16()
@@ -186,11 +186,11 @@ def test_fused_gemm_matches_fp64_and_grouped_mm(megatron_cpu, case, splits_name)
     assert rel_err(grad_x, results["grouped_mm"][1]) < 1e-2
 
 
-def test_fused_gemm_no_sync_and_cuda_graph(megatron_cpu):
+def test_fused_gemm_no_sync_and_cuda_graph(megatron_world):
     """Device splits: no host sync in forward or backward; a CUDA graph of forward + backward
     replays the eager result bit for bit, also after other splits (zero-token experts) are
     copied in."""
-    _, experts, _ = build_pair(megatron_cpu, activation="silu", glu=True)
+    _, experts, _ = build_pair(megatron_world, activation="silu", glu=True)
     _with_kernel(experts, "fused_gemm")
     rows = sum(SPLITS["uniform"])
     static = [torch.randn(rows, HIDDEN, device="cuda").bfloat16().requires_grad_(True),
@@ -222,10 +222,10 @@ def test_fused_gemm_no_sync_and_cuda_graph(megatron_cpu):
     assert torch.equal(g_out, eager_out) and torch.equal(g_grad, eager_grad)
 
 
-def test_fused_gemm_forced_refuses_adapters(megatron_cpu):
+def test_fused_gemm_forced_refuses_adapters(megatron_world):
     """A forced fused path never skips an adapter: wrapped expert linears raise; "auto" takes
     the grouped_mm path there."""
-    _, experts, _ = build_pair(megatron_cpu, activation="silu", glu=True)
+    _, experts, _ = build_pair(megatron_world, activation="silu", glu=True)
     _with_kernel(experts, "fused_gemm")
     handle = experts.linear_fc1.register_forward_hook(lambda *args: None)
     x = torch.randn(8, HIDDEN, device="cuda").bfloat16()
@@ -238,11 +238,11 @@ def test_fused_gemm_forced_refuses_adapters(megatron_cpu):
     assert out.shape == (8, HIDDEN)
 
 
-def test_auto_kernel_choice(megatron_cpu):
+def test_auto_kernel_choice(megatron_world):
     """"auto" takes the fused GEMM path only on sm90 and only for non-gated activations, where it
     measured faster; SwiGLU stays on grouped_mm."""
     sm90 = torch.cuda.get_device_capability() == (9, 0)
-    _, sq_relu, _ = build_pair(megatron_cpu, activation="squared_relu", glu=False)
-    _, swiglu, _ = build_pair(megatron_cpu, activation="silu", glu=True)
+    _, sq_relu, _ = build_pair(megatron_world, activation="squared_relu", glu=False)
+    _, swiglu, _ = build_pair(megatron_world, activation="silu", glu=True)
     assert sq_relu.expert_kernel_impl == ("fused_gemm" if sm90 else "grouped_mm")
     assert swiglu.expert_kernel_impl == "grouped_mm"

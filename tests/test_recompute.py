@@ -34,13 +34,8 @@ def megatron_cpu_training(megatron_cpu, monkeypatch):
     model-parallel CUDA RNG around dropout, and the re-entrant checkpoint saves and restores the
     CUDA RNG state. Here those calls do nothing; dropout (0 here) would draw from the CPU
     generator, which the checkpoint still saves and restores. Test setup only; the code under
-    test is not patched.
-
-    On a CUDA host these FP32 CPU models are skipped: Megatron's router and masks move themselves
-    to the GPU there (and TorchGroupedMLP takes only bf16 on CUDA); tests/test_gpu.py and the
-    example cover the GPU."""
-    if torch.cuda.is_available():
-        pytest.skip("FP32 GPTModel on the CPU: on a CUDA host Megatron moves the router to the GPU")
+    test is not patched. On a CUDA host too these FP32 models stay on the CPU (megatron_cpu);
+    tests/test_te.py trains adapters under recompute on the GPU with Transformer Engine."""
     from megatron.core.tensor_parallel import random
 
     monkeypatch.setattr(random, "_get_cuda_rng_state", lambda *args, **kwargs: None)

@@ -45,8 +45,13 @@ def patch_megatron_for_cpu() -> None:
 
     - the router and Megatron's communication buffers allocate on `torch.cuda.current_device()`,
       which fails without CUDA: it answers "cpu";
-    - dist_checkpointing's filesystem writer calls `torch.cuda.synchronize()`: nothing to wait for.
+    - dist_checkpointing's filesystem writer calls `torch.cuda.synchronize()`: nothing to wait for;
+    - with Transformer Engine importable, the router's gating GEMM calls TE's GEMM, which takes
+      CUDA tensors only: it is None, the router's torch.mm path (as in tests/conftest.py).
     """
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = None
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
 
