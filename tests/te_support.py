@@ -31,8 +31,11 @@ def te_config(**overrides):
 
 def te_gpt(config, seed=0) -> GPTModel:
     """GPTModel whose every layer comes from Megatron's TE spec (the MoE experts follow the
-    config's backend), on CUDA."""
+    config's backend), on CUDA. The same seed gives the same weights (CPU and CUDA RNGs reseeded)."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
     torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
     spec = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True)
     model = GPTModel(config, transformer_layer_spec=spec, vocab_size=VOCAB,
                      max_sequence_length=SEQ, position_embedding_type="rope")

@@ -124,6 +124,43 @@ def test_wrapper_returns_base_output_plus_adapter_and_the_base_bias(megatron_cpu
     torch.testing.assert_close(out, base_out + adapter(x))
 
 
+class NormThenLinear(torch.nn.Module):
+    """The interface of TE's LayerNorm column linear (x -> RMSNorm -> linear, its layer-norm
+    output switch), answering in the form Megatron's linears use for `form`: "plain" (out, bias),
+    "nested" ((out, ln_out), bias) as TE with the switch on, "triple" (out, bias, ln_out)."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.return_layernorm_output = False
+        self.norm = torch.nn.RMSNorm(IN, eps=1e-5)
+        self.weight = torch.nn.Parameter(torch.randn(OUT, IN))
+
+    def forward(self, x):
+        ln_out = self.norm(x)
+        out = ln_out @ self.weight.T
+        if not self.return_layernorm_output or self.form == "plain":
+            return out, None
+        return ((out, ln_out), None) if self.form == "nested" else (out, None, ln_out)
+
+
+@pytest.mark.parametrize("form", ["nested", "triple"])
+def test_wrapper_gives_the_adapter_the_layer_norm_output_in_every_form(form):
+    base = NormThenLinear(form)
+    adapter = LoRAAdapter(IN, OUT, RANK, ALPHA, 0.0, torch.float64, "cpu")
+    with_random_b(adapter)
+    wrapped = LoRALinear(base.double(), adapter)
+    assert base.return_layernorm_output  # asked for, as Megatron-Bridge does
+    x = torch.randn(5, 2, IN, dtype=torch.float64)
+
+    out, bias = wrapped(x)
+    ln = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * base.norm.weight
+    expected = ln @ base.weight.T + ln @ adapter.linear_in.weight.T @ adapter.linear_out.weight.T \
+        * adapter.scale
+    assert bias is None
+    torch.testing.assert_close(out, expected)
+
+
 def test_wrapper_passes_the_splits_to_a_grouped_base_and_its_adapter(megatron_cpu):
     config = make_config(dtype=torch.float32, hidden=IN)
     experts = TorchGroupedMLP(EXPERTS, config, pg_collection=megatron_cpu)

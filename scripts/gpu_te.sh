@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The Transformer Engine leg, on the H200 device machine (megatron-core 0.19.2, TE 2.20.2,
+# torch 2.11+cu130): the whole test suite with TE importable (CPU tests keep their models on the
+# CPU, CUDA tests run on the GPU, the TE tests tests/test_te_*.py run instead of skipping), then
+# the main job with every layer from Megatron's TE spec. Ends with one summary line.
+#
+# TE is installed as ../shared/te-h200/README.md says (five copy calls, then install.sh in the
+# same call as this script); .whl carries megatron-core 0.19.2, megatron-bridge 0.6.2, omegaconf
+# and antlr4-python3-runtime:
+#   bash .te/install.sh && bash scripts/gpu_te.sh OUT_DIR [pytest arguments, default: tests]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:?usage: scripts/gpu_te.sh OUT_DIR [pytest arguments]}"
+shift
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH="/tmp/te/site:/tmp/site:$PWD" PYTHONUNBUFFERED=1
+python3 -W ignore -c "import torch, transformer_engine as te, megatron.core as m; print(f'[te leg] torch {torch.__version__}, Transformer Engine {te.__version__}, megatron-core {m.__version__}, {torch.cuda.get_device_name()}')" \
+  2>&1 | tee "$out/te_leg.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu_te: Transformer Engine does not import"; exit 1; }
+# One pytest worker per test file (pytest-xdist): the files run in parallel on the 16 cores.
+python3 -m pytest -q -p no:cacheprovider -rs -n 8 --dist loadfile --junitxml="$out/junit.xml" \
+  "${@:-tests}" 2>&1 | tee -a "$out/te_leg.log"
+suite=${PIPESTATUS[0]}
+(cd examples && python3 -W ignore::UserWarning finetune_lora.py --transformer-engine \
+  --out-dir /tmp/finetune_lora_te) 2>&1 | tee "$out/finetune_lora_te.log"
+job=${PIPESTATUS[0]}
+line=$(grep -E "^=*\s*[0-9]+ (passed|failed|error)" "$out/te_leg.log" | tail -n 1 | sed -E 's/=+//g; s/^ +| +$//g')
+echo "gpu_te: suite ${line:-no summary} (exit $suite); main job --transformer-engine: $([ "$job" -eq 0 ] && echo passed || echo "FAILED (exit $job)")"
+[ "$suite" -eq 0 ] && [ "$job" -eq 0 ]
