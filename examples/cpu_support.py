@@ -6,12 +6,13 @@ CUDA, or `init_single_process_megatron(on_cpu=True)`), the router's `torch.cuda.
 answers "cpu", its gating GEMM is torch's (TE's takes CUDA tensors only), and attention dropout's
 CUDA RNG-tracker fork and the checkpoint's CUDA RNG save/restore are no-ops, so the examples
 build and run a real MoE layer or GPTModel (pass an explicit attention mask: Megatron's default
-causal mask is made on CUDA).
+causal mask is made on CUDA). `megatron_on_cpu_patches` lists them, each with its reason.
 """
 
 import contextlib
 import os
 import socket
+import sys
 
 import torch
 
@@ -53,23 +54,45 @@ def _define_te_general_gemm_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
-def _adapt_megatron_to_cpu() -> None:
-    # The router, rope and Megatron's buffers allocate on `torch.cuda.current_device()`.
-    torch.cuda.current_device = lambda: "cpu"
-    # With Transformer Engine importable the router's gating GEMM calls TE's, which takes CUDA
-    # tensors only; None is the router's torch.mm path.
+def megatron_on_cpu_patches() -> list:
+    """[(owner, attribute, value)]: what keeps Megatron-Core on the CPU in this process, on a
+    CPU-only host and on a CUDA host alike. Applied by `init_single_process_megatron` here and,
+    undone after each test, by the `megatron_cpu` fixture of tests/conftest.py.
+
+    - Megatron's router, rope and buffers place tensors on `torch.cuda.current_device()` (on a
+      CUDA host a CPU model would be half moved to the GPU): Megatron's own modules are answered
+      "cpu"; torch, Transformer Engine and everyone else get the real device where there is one.
+    - With TE importable the router's gating GEMM is TE's, which takes CUDA tensors only (a CPU
+      tensor's memory read as device memory: an illegal memory access on a CUDA host): None is
+      the router's torch.mm path.
+    - Attention dropout forks the model-parallel CUDA RNG and the re-entrant checkpoint saves and
+      restores the CUDA RNG state (a CPU-only torch has none): no-ops here; the CPU generator is
+      still saved and restored.
+    """
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker, random
     from megatron.core.transformer.moe import moe_utils
 
-    moe_utils.te_general_gemm = None
-    # The re-entrant checkpoint saves and restores the CUDA RNG state, which a CPU-only torch
-    # lacks (the CPU RNG is still restored).
-    from megatron.core.tensor_parallel import random
+    device_of = torch.cuda.current_device
 
-    random._get_cuda_rng_state = lambda *args, **kwargs: None
-    random._set_cuda_rng_state = lambda *args, **kwargs: None
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    def current_device():
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller.startswith("megatron.") or not torch.cuda.is_available():
+            return "cpu"
+        return device_of()
 
-    get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+    no_op = lambda *args, **kwargs: None  # noqa: E731
+    return [
+        (torch.cuda, "current_device", current_device),
+        (moe_utils, "te_general_gemm", None),
+        (random, "_get_cuda_rng_state", no_op),
+        (random, "_set_cuda_rng_state", no_op),
+        (get_cuda_rng_tracker(), "fork", lambda *args, **kwargs: contextlib.nullcontext()),
+    ]
+
+
+def _adapt_megatron_to_cpu() -> None:
+    for owner, name, value in megatron_on_cpu_patches():
+        setattr(owner, name, value)
 
 
 def frozen_experts_step(model, vocab_size: int, seq_length: int, batch: int = 2) -> float:

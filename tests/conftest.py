@@ -1,9 +1,13 @@
 """Shared fixtures: a one-process gloo world with Megatron's parallel state, on the CPU."""
 
-import os
+import socket
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))  # cpu_support
 
 
 def _define_te_general_gemm_without_te(monkeypatch):
@@ -16,21 +20,13 @@ def _define_te_general_gemm_without_te(monkeypatch):
 
 
 def _patch_megatron_for_cpu(monkeypatch):
-    """Test-only patches so Megatron-Core runs a model on the CPU, on any host.
+    """Test-only: the patches that keep Megatron-Core on the CPU, on any host (a CUDA host with
+    TE too), each with its reason: examples/cpu_support.megatron_on_cpu_patches, the one table the
+    examples and these tests share. Undone after each test; the code under test is not patched."""
+    from cpu_support import megatron_on_cpu_patches
 
-    - Megatron places the router's weights, rope's frequencies and its buffers on
-      `torch.cuda.current_device()`; on a CPU-only host that call fails, and on a CUDA host a CPU
-      model would be half moved to the GPU. It answers "cpu" here, on every host.
-    - With Transformer Engine importable, the router's gating GEMM calls TE's `general_gemm` for
-      tensors on any device; TE reads a CPU tensor's memory as device memory (an illegal memory
-      access that poisons every later CUDA call of the process; "No CUDA GPUs are available" where
-      the GPUs are hidden). For CPU models it is None: the router's own torch.mm path.
-    The code under test is not patched.
-    """
-    from megatron.core.transformer.moe import moe_utils
-
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
-    monkeypatch.setattr(moe_utils, "te_general_gemm", None, raising=False)
+    for owner, name, value in megatron_on_cpu_patches():
+        monkeypatch.setattr(owner, name, value, raising=False)
 
 
 @pytest.fixture(scope="session")
@@ -38,9 +34,13 @@ def _gloo_world():
     from megatron.core import parallel_state
 
     if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+        # A free port in the init method, not in MASTER_ADDR/PORT: child processes the tests
+        # start (examples, benchmarks, torchrun) pick their own.
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                             rank=0, world_size=1)
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel()
     yield

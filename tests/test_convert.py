@@ -17,7 +17,6 @@ from mcore_torch_experts.lora import apply_lora, lora_parameters
 from reference import rel_err
 from tiny_gpt import (HIDDEN, MOE_FFN, MOE_LAYERS, NUM_EXPERTS, forward_backward, freeze_experts,
                       gpt, sequential_to_grouped, tiny_config)
-from tiny_gpt import megatron_cpu_gpt  # noqa: F401  (fixture)
 
 EXPERTS = [f"decoder.layers.{layer}.mlp.experts" for layer in MOE_LAYERS]
 # fc1 [2F, H] (SwiGLU) and fc2 [H, F] per expert, bf16.
@@ -46,7 +45,7 @@ def sharded_layout(model):
     return {key: sorted(entries) for key, entries in layout.items()}
 
 
-def test_conversion_keeps_outputs_weights_and_sharded_keys(megatron_cpu_gpt):
+def test_conversion_keeps_outputs_weights_and_sharded_keys(megatron_cpu):
     model = sequential_mlp_model()
     freeze_experts(model)
     logits, loss, grads = forward_backward(model)
@@ -87,7 +86,7 @@ def test_conversion_keeps_outputs_weights_and_sharded_keys(megatron_cpu_gpt):
         assert rel_err(grad, grads[name]) < 1e-2, name
 
 
-def test_refused_model_is_left_untouched(megatron_cpu_gpt):
+def test_refused_model_is_left_untouched(megatron_cpu):
     model = sequential_mlp_model(add_bias_linear=True)
     with pytest.raises(TorchExpertsConfigError, match="add_bias_linear=True"):
         convert_experts_to_torch(model)
@@ -95,7 +94,7 @@ def test_refused_model_is_left_untouched(megatron_cpu_gpt):
 
 
 @pytest.mark.parametrize("targets", [["linear_fc1", "linear_fc2"], ["linear_qkv", "linear_fc2"]])
-def test_a_model_with_expert_adapters_is_refused_untouched(megatron_cpu_gpt, targets):
+def test_a_model_with_expert_adapters_is_refused_untouched(megatron_cpu, targets):
     model = sequential_mlp_model()
     apply_lora(model, targets, rank=4, alpha=8)
     before = {name: (module, dict(module.named_parameters())) for name, module in
@@ -113,7 +112,7 @@ def test_a_model_with_expert_adapters_is_refused_untouched(megatron_cpu_gpt, tar
         assert all(p is before[name][1][k] for k, p in params.items()), name
 
 
-def test_adapters_outside_the_experts_survive_conversion(megatron_cpu_gpt):
+def test_adapters_outside_the_experts_survive_conversion(megatron_cpu):
     model = sequential_mlp_model()
     apply_lora(model, ["linear_qkv", "linear_proj"], rank=4, alpha=8)
     adapters = lora_parameters(model)
@@ -123,7 +122,7 @@ def test_adapters_outside_the_experts_survive_conversion(megatron_cpu_gpt):
     assert rel_err(forward_backward(model)[0], logits) < 1e-3
 
 
-def test_model_chunks_and_a_second_conversion(megatron_cpu_gpt):
+def test_model_chunks_and_a_second_conversion(megatron_cpu):
     model = sequential_mlp_model()
     summary = convert_experts_to_torch([model])  # Megatron-LM and Bridge hand over chunk lists
     assert summary.names == [f"0.{name}" for name in EXPERTS]
@@ -133,7 +132,7 @@ def test_model_chunks_and_a_second_conversion(megatron_cpu_gpt):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="TEGroupedMLP runs on CUDA only")
 @pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
                     reason="Transformer Engine is not installed: no TEGroupedMLP to convert")
-def test_te_grouped_mlp_model_converts_with_unchanged_keys(megatron_cpu_gpt):
+def test_te_grouped_mlp_model_converts_with_unchanged_keys(megatron_cpu):
     from megatron.core.transformer.moe.experts import TEGroupedMLP
 
     config = tiny_config(moe_grouped_gemm=True, use_cpu_initialization=False)

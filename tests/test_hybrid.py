@@ -20,7 +20,6 @@ from reference import rel_err
 from test_recompute import megatron_cpu_training  # noqa: F401  (fixture)
 from tiny_gpt import (BATCH, NUM_EXPERTS, SEQ, VOCAB, batch, forward_backward, freeze_experts,
                       sequential_to_grouped, tiny_config)
-from tiny_gpt import megatron_cpu_gpt  # noqa: F401  (fixture)
 
 PATTERN = "*E*E"  # attention, MoE, attention, MoE
 TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
@@ -115,7 +114,7 @@ def experts_modules(model):
 
 
 @needs_hybrid_recompute
-def test_hybrid_model_matches_the_sequential_mlp_model(megatron_cpu_gpt, local_final_norm):
+def test_hybrid_model_matches_the_sequential_mlp_model(megatron_cpu, local_final_norm):
     ours_config = hybrid_config(moe_expert_gemm_backend="torch", moe_grouped_gemm=True)
     ours = hybrid_model(ours_config, specs.get_hybrid_stack_spec(ours_config,
                                                                  local_hybrid_stack_spec()), seed=1)

@@ -29,22 +29,14 @@ TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 
 @pytest.fixture
 def megatron_cpu_training(megatron_cpu, monkeypatch):
-    """megatron_cpu, plus what training a whole GPTModel under full recompute needs on a CPU-only
-    torch, which has no CUDA generator (`torch.cuda.get_rng_state` raises): attention forks the
-    model-parallel CUDA RNG around dropout, and the re-entrant checkpoint saves and restores the
-    CUDA RNG state. Here those calls do nothing; dropout (0 here) would draw from the CPU
-    generator, which the checkpoint still saves and restores. Test setup only; the code under
-    test is not patched. On a CUDA host too these FP32 models stay on the CPU (megatron_cpu);
-    tests/test_te.py trains adapters under recompute on the GPU with Transformer Engine."""
+    """megatron_cpu, plus what selective "layernorm" recompute needs without Transformer
+    Engine: CheckpointWithoutOutput asks TE whether FP8 is on even when TE is absent; here it
+    answers what TE says without FP8. Test setup only; the code under test is not patched. On a
+    CUDA host too these FP32 models stay on the CPU (megatron_cpu); tests/test_te_lora.py trains
+    adapters under recompute on the GPU with Transformer Engine."""
     from megatron.core.tensor_parallel import random
 
-    monkeypatch.setattr(random, "_get_cuda_rng_state", lambda *args, **kwargs: None)
-    monkeypatch.setattr(random, "_set_cuda_rng_state", lambda *args, **kwargs: None)
-    monkeypatch.setattr(random.get_cuda_rng_tracker(), "fork",
-                        lambda *args, **kwargs: contextlib.nullcontext())
     if not hasattr(random, "FP8GlobalStateManager"):
-        # Selective "layernorm" recompute (CheckpointWithoutOutput) asks Transformer Engine
-        # whether FP8 is on even when it is absent; here it answers what TE says without FP8.
         monkeypatch.setattr(random, "FP8GlobalStateManager", types.SimpleNamespace(
             is_fp8_enabled=lambda: False, get_fp8_recipe=lambda: None), raising=False)
         monkeypatch.setattr(random, "activation_recompute_forward",

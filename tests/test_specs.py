@@ -22,7 +22,6 @@ from mcore_torch_experts import TorchExpertsConfigError, TorchGroupedMLP, _compa
 from reference import rel_err
 from tiny_gpt import (MOE_LAYER_FREQ, MOE_LAYERS, NUM_EXPERTS, forward_backward, freeze_experts,
                       gpt, sequential_to_grouped, tiny_config)
-from tiny_gpt import megatron_cpu_gpt  # noqa: F401  (fixture)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # Same weights, same math: only the expert GEMM kernels differ (equal on the CPU). Tight enough
@@ -56,7 +55,7 @@ def mlp_kinds(model):
     return [type(getattr(layer.mlp, "experts", layer.mlp)) for layer in model.decoder.layers]
 
 
-def test_gpt_model_from_the_reference_spec_matches_the_sequential_mlp_model(megatron_cpu_gpt):
+def test_gpt_model_from_the_reference_spec_matches_the_sequential_mlp_model(megatron_cpu):
     ours_config = tiny_config(moe_expert_gemm_backend="torch", moe_grouped_gemm=True)
     ours = gpt(ours_config, specs.get_gpt_decoder_block_spec(ours_config, False), seed=1)
     ref_config = tiny_config(moe_grouped_gemm=False)  # the default backend: Megatron's experts

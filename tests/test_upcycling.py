@@ -15,7 +15,6 @@ from mcore_torch_experts.upcycling import (
     upcycle_state_dict,
 )
 from tiny_gpt import batch, gpt, sequential_to_grouped, tiny_config
-from tiny_gpt import megatron_cpu_gpt  # noqa: F401  (fixture)
 
 DENSE_FFN, NUM_EXPERTS, LAYERS = 128, 4, 2
 
@@ -60,7 +59,7 @@ def check_packed_views(model):
 
 
 @pytest.mark.parametrize("granularity,activation", [(1, "swiglu"), (2, "swiglu"), (2, "gelu")])
-def test_upcycled_torch_experts_equal_megatrons_sequential_path(megatron_cpu_gpt, granularity,
+def test_upcycled_torch_experts_equal_megatrons_sequential_path(megatron_cpu, granularity,
                                                                 activation):
     dense, sequential, grouped = models(granularity, activation)
     expected = upcycling_utils.upcycle_state_dict([sequential], [dense])["model"]
@@ -89,7 +88,7 @@ def test_upcycled_torch_experts_equal_megatrons_sequential_path(megatron_cpu_gpt
         torch.testing.assert_close(moe_logits, logits(dense), rtol=0, atol=1e-5)
 
 
-def test_load_and_upcycle_model_from_a_dense_checkpoint(megatron_cpu_gpt, tmp_path):
+def test_load_and_upcycle_model_from_a_dense_checkpoint(megatron_cpu, tmp_path):
     dense, sequential, grouped = models(granularity=2, dtype=torch.bfloat16)
     torch.save(dense.state_dict(), tmp_path / "dense.pt")
     fresh_dense = models(granularity=2, dtype=torch.bfloat16)[0]
@@ -110,7 +109,7 @@ def test_load_and_upcycle_model_from_a_dense_checkpoint(megatron_cpu_gpt, tmp_pa
     assert torch.equal(logits(grouped), logits(sequential))
 
 
-def test_megatron_refuses_outside_the_context_and_accepts_inside(megatron_cpu_gpt):
+def test_megatron_refuses_outside_the_context_and_accepts_inside(megatron_cpu):
     dense, _, grouped = models(granularity=1)
     with pytest.raises(TypeError, match="is not supported by upcycling"):
         upcycling_utils.upcycle_state_dict([grouped], [dense])

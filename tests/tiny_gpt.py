@@ -1,10 +1,8 @@
 """A tiny GPT-MoE on the CPU: config, batch, forward/backward, and the expert-key map between
 SequentialMLP and TorchGroupedMLP/TEGroupedMLP models."""
 
-import contextlib
 import re
 
-import pytest
 import torch
 from megatron.core.models.gpt import GPTModel
 
@@ -14,19 +12,6 @@ VOCAB, SEQ, BATCH = 128, 16, 2
 MOE_LAYER_FREQ = [0, 1, 1]  # layer 0 dense, layers 1 and 2 MoE
 MOE_LAYERS = [1, 2]
 NUM_EXPERTS, HIDDEN, MOE_FFN = 4, 64, 32
-
-
-@pytest.fixture
-def megatron_cpu_gpt(megatron_cpu, monkeypatch):
-    """megatron_cpu, plus the one thing a whole GPTModel needs here: attention forks the
-    model-parallel CUDA RNG state around dropout, which nobody seeded (a CPU-only torch has no
-    CUDA generator at all). Here the fork does nothing (dropout is 0). Test setup only; the code
-    under test is not patched."""
-    from megatron.core.tensor_parallel import random
-
-    monkeypatch.setattr(random.get_cuda_rng_tracker(), "fork",
-                        lambda *args, **kwargs: contextlib.nullcontext())
-    return megatron_cpu
 
 
 def tiny_config(**overrides) -> TorchExpertsTransformerConfig:
