@@ -23,6 +23,9 @@ python3 -W ignore -c "import torch, transformer_engine as te, megatron.core as m
 python3 -m pytest -q -p no:cacheprovider -rs -n 8 --dist loadfile --junitxml="$out/junit.xml" \
   "${@:-tests}" 2>&1 | tee -a "$out/te_leg.log"
 suite=${PIPESTATUS[0]}
+# The parity gate's figures (errors against the FP64 loop, TorchGroupedMLP and TEGroupedMLP).
+python3 -m pytest -q -s -p no:cacheprovider tests/test_te_parity.py -k "test_experts_match or model_shapes" 2>&1 \
+  | grep -E "^\[te parity\]" | tee "$out/te_parity.log"
 (cd examples && python3 -W ignore::UserWarning finetune_lora.py --transformer-engine \
   --out-dir /tmp/finetune_lora_te) 2>&1 | tee "$out/finetune_lora_te.log"
 job=${PIPESTATUS[0]}
