@@ -47,6 +47,12 @@ REFUSALS = [
      "moe_single_grouped_weight=True", "set moe_single_grouped_weight=False"),
     ("fused_expert_lora", dict(moe_expert_lora_fusion=True), {}, "moe_expert_lora_fusion=True",
      "set moe_expert_lora_fusion off"),
+    ("router_padding_for_quantization", dict(moe_router_padding_for_quantization=True), {},
+     "moe_router_padding_for_quantization=True",
+     "the torch backend runs BF16 segments of any length. Set "
+     "moe_router_padding_for_quantization=False."),
+    ("router_padding_for_fp8", dict(moe_router_padding_for_fp8=True), {},
+     "moe_router_padding_for_fp8=True", "Set moe_router_padding_for_fp8=False."),
     ("expert_offloading", dict(fine_grained_activation_offloading=True,
                                offload_modules=["attn_norm", "moe_act", "expert_fc1"]), {},
      "offload_modules=['expert_fc1', 'moe_act']", "remove 'expert_fc1' and 'moe_act'"),
@@ -126,15 +132,46 @@ def test_construction_with_the_torch_backend_validates(settings, named):
     (dict(fp8="hybrid"), "fp8='hybrid'", "set fp8=None"),
     (dict(fp8="e4m3", fp8_recipe="delayed"), "fp8='e4m3'", "set fp8=None"),
     (dict(fp4="nvfp4"), "fp4='nvfp4'", "set fp4=None"),
-], ids=["fp8_hybrid", "fp8_e4m3", "fp4"])
+    (dict(moe_router_padding_for_fp8=True, moe_token_dispatcher_type="alltoall"),
+     "moe_router_padding_for_fp8=True", "Set moe_router_padding_for_fp8=False."),
+    (dict(moe_router_padding_for_quantization=True, moe_token_dispatcher_type="alltoall"),
+     "moe_router_padding_for_quantization=True",
+     "Set moe_router_padding_for_quantization=False."),
+], ids=["fp8_hybrid", "fp8_e4m3", "fp4", "router_padding_for_fp8",
+        "router_padding_for_quantization"])
 def test_construction_refuses_flags_before_megatron_checks_them(settings, named, fix):
-    """Megatron's own __post_init__ fails on these without Transformer Engine (a TypeError
-    comparing its missing version); ours runs first and names the fix."""
+    """Megatron's own __post_init__ fails on these first without naming our fix: fp8/fp4 without
+    Transformer Engine (a TypeError comparing its missing version), routing-map padding without
+    fp8/fp4 ("fp8/fp4 must be specified"). Ours runs first and names the fix."""
     with pytest.raises(TorchExpertsConfigError) as refusal:
         TorchExpertsTransformerConfig(**VALID, **settings, moe_expert_gemm_backend="torch")
     message = str(refusal.value)
     assert message.startswith(f"moe_expert_gemm_backend='torch' does not support {named}: ")
     assert fix in message
+
+
+def test_fp32_combine_refuses_te_permute_fusion_before_megatron_checks_it():
+    """With moe_combine_in_fp32, Transformer Engine's fused permutation is refused when the config
+    is built, for either expert backend; Megatron's own check (TE >= 2.1 importable) comes later."""
+    for backend in ("torch", "transformer_engine"):
+        with pytest.raises(TorchExpertsConfigError) as refusal:
+            TorchExpertsTransformerConfig(**VALID, moe_expert_gemm_backend=backend,
+                                          moe_combine_in_fp32=True, moe_permute_fusion=True)
+        assert str(refusal.value) == (
+            "moe_combine_in_fp32=True does not support moe_permute_fusion=True: the fused "
+            "unpermute does its own combine; set moe_permute_fusion=False.")
+
+
+def test_te_fusions_that_work_are_not_refused():
+    """TE's router fusion and fused weighted squared ReLU, and its fused permutation without the
+    FP32 combine, build with the torch backend (they run in tests/test_te_fusions.py). Set after
+    construction: Megatron's __post_init__ wants TE importable for the permute fusion."""
+    config = valid_config()
+    for field in ("moe_permute_fusion", "moe_router_fusion", "use_fused_weighted_squared_relu"):
+        setattr(config, field, True)
+    validate_torch_experts_config(config)
+    TorchExpertsTransformerConfig(**VALID, moe_expert_gemm_backend="torch", moe_combine_in_fp32=True,
+                                  moe_router_fusion=True, use_fused_weighted_squared_relu=True)
 
 
 def test_valid_configs_build():
