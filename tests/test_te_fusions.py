@@ -1,0 +1,95 @@
+"""Transformer Engine's fusions on the MoE path of a megatron-core MoE config, with TorchGroupedMLP
+experts and with FP32CombineMoELayer, on a GPT built from Megatron's TE spec (CUDA, BF16; the TE
+leg). Each setting either works, giving what the same model without it gives (and what
+Megatron's TEGroupedMLP model with it gives), or is refused when the config is built:
+
+- moe_permute_fusion (TE's fused permute / unpermute / chunk sort in the dispatchers): works with
+  TorchGroupedMLP; refused with moe_combine_in_fp32 (TE's row map is not the token ids the FP32
+  combine reads).
+- moe_router_fusion (TE's fused top-k, scores and aux loss): works with both.
+- use_fused_weighted_squared_relu (TEGroupedMLP's fused squared ReLU x probs): TorchGroupedMLP
+  computes the same math itself; works with both.
+- moe_router_padding_for_quantization / _for_fp8 and the TE op fuser: refused
+  (tests/test_config.py, on every leg).
+"""
+
+import pytest
+import torch
+from megatron.core.activations import squared_relu
+
+from mcore_torch_experts import FP32CombineMoELayer, TorchExpertsConfigError, TorchGroupedMLP
+from reference import rel_err
+from te_support import needs_te, te_config, te_gpt
+from tiny_gpt import MOE_LAYERS, forward_backward, freeze_experts
+
+pytestmark = needs_te
+SAME_TOL, SAME_GRAD_TOL = 1e-2, 5e-2  # BF16: a fused kernel against the unfused torch path
+DISPATCHERS = ["allgather", "alltoall"]
+SQUARED_RELU = dict(activation_func=squared_relu, gated_linear_unit=False)
+FUSIONS = {  # name: (the setting, the model it applies to)
+    "moe_permute_fusion": (dict(moe_permute_fusion=True), {}),
+    "moe_router_fusion": (dict(moe_router_fusion=True), {}),
+    "use_fused_weighted_squared_relu": (dict(use_fused_weighted_squared_relu=True), SQUARED_RELU),
+}
+FP32_COMBINE_FUSIONS = ["moe_router_fusion", "use_fused_weighted_squared_relu"]
+
+
+def moe_layers(model):
+    return [model.decoder.layers[i].mlp for i in MOE_LAYERS]
+
+
+def run(config, state=None):
+    """(model, logits, loss, grads) of a TE-spec GPT for `config` with the weights `state` (those
+    it was built with when None), expert weights frozen."""
+    model = te_gpt(config)
+    if state is not None:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        assert unexpected == [] and all(key.endswith("_extra_state") for key in missing)
+    freeze_experts(model)
+    return (model, *forward_backward(model))
+
+
+def assert_close(got, expected):
+    _, logits, loss, grads = got
+    _, ref_logits, ref_loss, ref_grads = expected
+    assert rel_err(logits, ref_logits) < SAME_TOL and rel_err(loss, ref_loss) < SAME_TOL
+    assert grads.keys() == ref_grads.keys() and "embedding.word_embeddings.weight" in grads
+    for name, grad in grads.items():
+        assert rel_err(grad, ref_grads[name]) < SAME_GRAD_TOL, name
+
+
+@pytest.mark.parametrize("dispatcher", DISPATCHERS)
+@pytest.mark.parametrize("fusion", list(FUSIONS))
+def test_fusion_with_torch_grouped_mlp(te_world, fusion, dispatcher):
+    setting, model_fields = FUSIONS[fusion]
+    fields = dict(moe_token_dispatcher_type=dispatcher, **model_fields)
+    plain = run(te_config(moe_expert_gemm_backend="torch", **fields))
+    state = plain[0].state_dict()
+
+    fused = run(te_config(moe_expert_gemm_backend="torch", **fields, **setting), state)
+    theirs = run(te_config(**fields, **setting), state)  # TEGroupedMLP with the same setting
+
+    assert all(type(layer.experts) is TorchGroupedMLP for layer in moe_layers(fused[0]))
+    assert all(getattr(layer.config, fusion) for layer in moe_layers(fused[0]))
+    assert_close(fused, plain)
+    assert_close(fused, theirs)
+
+
+@pytest.mark.parametrize("dispatcher", DISPATCHERS)
+@pytest.mark.parametrize("fusion", FP32_COMBINE_FUSIONS)
+def test_fusion_with_fp32_combine(te_world, fusion, dispatcher):
+    setting, model_fields = FUSIONS[fusion]
+    fields = dict(moe_token_dispatcher_type=dispatcher, moe_expert_gemm_backend="torch",
+                  moe_combine_in_fp32=True, **model_fields)
+    plain = run(te_config(**fields))
+    fused = run(te_config(**fields, **setting), plain[0].state_dict())
+
+    assert all(type(layer) is FP32CombineMoELayer for layer in moe_layers(fused[0]))
+    assert_close(fused, plain)
+
+
+def test_permute_fusion_with_fp32_combine_is_refused_when_the_config_is_built(te_world):
+    with pytest.raises(TorchExpertsConfigError, match=r"moe_combine_in_fp32=True does not support "
+                       r"moe_permute_fusion=True: .*set moe_permute_fusion=False"):
+        te_config(moe_expert_gemm_backend="torch", moe_combine_in_fp32=True,
+                  moe_permute_fusion=True)
