@@ -59,12 +59,12 @@ REFUSED_WHEN_SET = {
               f"backend runs BF16 segments of any length. Set {field}=False."
        for field in ("moe_router_padding_for_quantization", "moe_router_padding_for_fp8")},
 }
-# Transformer Engine's fusions on the MoE path (megatron-core 0.16 to 0.19) and what the torch
-# backend does with them: moe_permute_fusion (fused permute/unpermute in the dispatchers) and
-# moe_router_fusion (fused top-k, scores, aux loss) leave the experts' inputs unchanged and work;
-# use_fused_weighted_squared_relu is the math TorchGroupedMLP's activation already computes;
-# use_transformer_engine_op_fuser and routing-map padding are refused above. With
-# moe_combine_in_fp32, moe_permute_fusion is refused (FP32_COMBINE_REFUSED_WHEN_SET).
+# Transformer Engine's fusions on the MoE path and what the torch backend does with them:
+# moe_permute_fusion (TE's permute / unpermute / chunk sort in the dispatchers; FP32CombineMoELayer
+# rebuilds the token ids from the routing map) and moe_router_fusion (TE's top-k, scores, aux loss)
+# hand the experts the same rows and work; use_fused_weighted_squared_relu (Megatron's fused
+# squared ReLU x probs in TEGroupedMLP) is the math TorchGroupedMLP computes anyway; the TE op
+# fuser and routing-map padding (FP8/FP4 only) are refused above.
 # A fused expert-LoRA switch (none in Megatron-Core 0.16 to 0.19): a field naming LoRA and experts.
 FUSED_EXPERT_LORA_FIELD = re.compile(r"lora.*(expert|moe)|(expert|moe).*lora")
 OFFLOADED_EXPERT_MODULES = {"expert_fc1", "moe_act"}
@@ -174,34 +174,20 @@ def validate_torch_experts_config(config: TransformerConfig, ep_size: Optional[i
 
 
 COMBINE_DISPATCHERS = ("allgather", "alltoall")
-# Refused with moe_combine_in_fp32 whenever set: {field: fix}. Transformer Engine's fused
-# permutation keeps its own row map (not the token ids the FP32 combine reads).
-FP32_COMBINE_REFUSED_WHEN_SET = {
-    "moe_permute_fusion": "the fused unpermute does its own combine; set moe_permute_fusion=False.",
-}
-
-
-def _refuse_fp32_combine(field: str, value, fix: str) -> None:
-    raise TorchExpertsConfigError(
-        f"moe_combine_in_fp32=True does not support {field}={value!r}: {fix}")
-
-
-def refuse_fp32_combine_flags(settings: Mapping[str, object]) -> None:
-    """Refuse every FP32_COMBINE_REFUSED_WHEN_SET entry that is set in `settings`."""
-    for field, fix in FP32_COMBINE_REFUSED_WHEN_SET.items():
-        if settings.get(field):
-            _refuse_fp32_combine(field, settings[field], fix)
 
 
 def validate_fp32_combine_config(config: TransformerConfig) -> None:
     """Refuse settings under which the FP32 top-k combine cannot run as asked."""
-    refuse = _refuse_fp32_combine
+
+    def refuse(field, value, fix):
+        raise TorchExpertsConfigError(
+            f"moe_combine_in_fp32=True does not support {field}={value!r}: {fix}")
+
     if config.num_moe_experts is None:
         refuse("num_moe_experts", None, "it combines MoE expert outputs; set moe_combine_in_fp32=False.")
     if config.moe_token_dispatcher_type not in COMBINE_DISPATCHERS:
         refuse("moe_token_dispatcher_type", config.moe_token_dispatcher_type,
                f"use one of {COMBINE_DISPATCHERS}.")
-    refuse_fp32_combine_flags(vars(config))
     if config.moe_pad_expert_input_to_capacity:
         refuse("moe_pad_expert_input_to_capacity", True, "padded (drop-and-pad) combines are not "
                "supported; set moe_pad_expert_input_to_capacity=False.")
@@ -245,8 +231,6 @@ class TorchExpertsTransformerConfig(TransformerConfig):
         check_backend(self.moe_expert_gemm_backend)
         if self.moe_expert_gemm_backend == "torch":
             refuse_unsupported_flags(vars(self))
-        if self.moe_combine_in_fp32:
-            refuse_fp32_combine_flags(vars(self))
         super().__post_init__()
         if self.moe_expert_gemm_backend == "torch":
             validate_torch_experts_config(self)

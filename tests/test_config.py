@@ -9,6 +9,7 @@ from mcore_torch_experts import (
     TorchExpertsConfigError,
     TorchExpertsTransformerConfig,
     TorchGroupedMLP,
+    validate_fp32_combine_config,
     validate_torch_experts_config,
 )
 from mcore_torch_experts.specs import torch_experts_spec
@@ -150,26 +151,16 @@ def test_construction_refuses_flags_before_megatron_checks_them(settings, named,
     assert fix in message
 
 
-def test_fp32_combine_refuses_te_permute_fusion_before_megatron_checks_it():
-    """With moe_combine_in_fp32, Transformer Engine's fused permutation is refused when the config
-    is built, for either expert backend; Megatron's own check (TE >= 2.1 importable) comes later."""
-    for backend in ("torch", "transformer_engine"):
-        with pytest.raises(TorchExpertsConfigError) as refusal:
-            TorchExpertsTransformerConfig(**VALID, moe_expert_gemm_backend=backend,
-                                          moe_combine_in_fp32=True, moe_permute_fusion=True)
-        assert str(refusal.value) == (
-            "moe_combine_in_fp32=True does not support moe_permute_fusion=True: the fused "
-            "unpermute does its own combine; set moe_permute_fusion=False.")
-
-
-def test_te_fusions_that_work_are_not_refused():
-    """TE's router fusion and fused weighted squared ReLU, and its fused permutation without the
-    FP32 combine, build with the torch backend (they run in tests/test_te_fusions.py). Set after
-    construction: Megatron's __post_init__ wants TE importable for the permute fusion."""
+def test_te_fusions_on_the_moe_path_are_not_refused():
+    """TE's fused permutation, its router fusion and the fused weighted squared ReLU pass the
+    torch backend's and the FP32 combine's checks (they run in tests/test_te_fusions.py). Set
+    after construction: Megatron's __post_init__ wants TE importable for the permute fusion."""
     config = valid_config()
+    config.moe_combine_in_fp32 = True
     for field in ("moe_permute_fusion", "moe_router_fusion", "use_fused_weighted_squared_relu"):
         setattr(config, field, True)
     validate_torch_experts_config(config)
+    validate_fp32_combine_config(config)
     TorchExpertsTransformerConfig(**VALID, moe_expert_gemm_backend="torch", moe_combine_in_fp32=True,
                                   moe_router_fusion=True, use_fused_weighted_squared_relu=True)
 

@@ -200,3 +200,29 @@ def test_alltoall_with_shared_experts_matches_megatron(megatron_world, cpu_cuda_
     out_megatron, _ = megatron(x)
     assert calls == [ours, megatron]
     assert rel_err(out, out_megatron) < 1e-2
+
+
+@pytest.mark.parametrize("case", ["top_k", "an_expert_without_tokens", "padded_routing_map"])
+def test_token_ids_rebuilt_for_the_fused_permutation_are_megatrons(case):
+    """Under moe_permute_fusion the dispatcher keeps TE's row map, and the FP32 combine rebuilds
+    each permuted row's token from the routing map: the rows Megatron's own (unfused) permute
+    gathers, in its order, on every release."""
+    from megatron.core.transformer.moe.moe_utils import permute
+
+    num_tokens, num_experts, top_k = 37, 6, 2
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.rand(num_tokens, num_experts, generator=generator)
+    if case == "an_expert_without_tokens":
+        scores[:, 3] = -1.0
+    routing_map = torch.zeros(num_tokens, num_experts, dtype=torch.bool)
+    routing_map.scatter_(1, scores.topk(top_k, dim=1).indices, True)
+    if case == "padded_routing_map":  # what routing-map padding adds: more tokens per expert
+        routing_map[:5, 0] = True
+    tokens = torch.randn(num_tokens, 8, generator=generator)
+    num_rows = int(routing_map.sum())
+    permuted, _, megatron_ids = permute(tokens, routing_map, num_out_tokens=num_rows)[:3]
+
+    token_ids = _compat.permuted_token_ids(routing_map, num_rows)
+
+    assert torch.equal(token_ids, megatron_ids)
+    assert torch.equal(tokens[token_ids], permuted)

@@ -1,23 +1,22 @@
 """Transformer Engine's fusions on the MoE path of a megatron-core MoE config, with TorchGroupedMLP
 experts and with FP32CombineMoELayer, on a GPT built from Megatron's TE spec (CUDA, BF16; the TE
-leg). Each setting either works, giving what the same model without it gives (and what
-Megatron's TEGroupedMLP model with it gives), or is refused when the config is built:
+leg). Each works: the model with it computes what the same model without it computes, and what
+Megatron's TEGroupedMLP model with it computes.
 
-- moe_permute_fusion (TE's fused permute / unpermute / chunk sort in the dispatchers): works with
-  TorchGroupedMLP; refused with moe_combine_in_fp32 (TE's row map is not the token ids the FP32
-  combine reads).
-- moe_router_fusion (TE's fused top-k, scores and aux loss): works with both.
-- use_fused_weighted_squared_relu (TEGroupedMLP's fused squared ReLU x probs): TorchGroupedMLP
-  computes the same math itself; works with both.
-- moe_router_padding_for_quantization / _for_fp8 and the TE op fuser: refused
-  (tests/test_config.py, on every leg).
+- moe_permute_fusion: TE's fused permute / unpermute / chunk sort in the dispatchers (the FP32
+  combine rebuilds the rows' token ids, which TE's row map replaces).
+- moe_router_fusion: TE's fused top-k, scores and aux loss.
+- use_fused_weighted_squared_relu: TEGroupedMLP's fused squared ReLU x probs; TorchGroupedMLP
+  computes the same math itself.
+Refused when the config is built (tests/test_config.py, every leg): routing-map padding for
+FP8/FP4 and the TE op fuser.
 """
 
 import pytest
 import torch
 from megatron.core.activations import squared_relu
 
-from mcore_torch_experts import FP32CombineMoELayer, TorchExpertsConfigError, TorchGroupedMLP
+from mcore_torch_experts import FP32CombineMoELayer, TorchGroupedMLP
 from reference import rel_err
 from te_support import needs_te, te_config, te_gpt
 from tiny_gpt import MOE_LAYERS, forward_backward, freeze_experts
@@ -31,7 +30,6 @@ FUSIONS = {  # name: (the setting, the model it applies to)
     "moe_router_fusion": (dict(moe_router_fusion=True), {}),
     "use_fused_weighted_squared_relu": (dict(use_fused_weighted_squared_relu=True), SQUARED_RELU),
 }
-FP32_COMBINE_FUSIONS = ["moe_router_fusion", "use_fused_weighted_squared_relu"]
 
 
 def moe_layers(model):
@@ -76,7 +74,7 @@ def test_fusion_with_torch_grouped_mlp(te_world, fusion, dispatcher):
 
 
 @pytest.mark.parametrize("dispatcher", DISPATCHERS)
-@pytest.mark.parametrize("fusion", FP32_COMBINE_FUSIONS)
+@pytest.mark.parametrize("fusion", list(FUSIONS))
 def test_fusion_with_fp32_combine(te_world, fusion, dispatcher):
     setting, model_fields = FUSIONS[fusion]
     fields = dict(moe_token_dispatcher_type=dispatcher, moe_expert_gemm_backend="torch",
@@ -84,12 +82,8 @@ def test_fusion_with_fp32_combine(te_world, fusion, dispatcher):
     plain = run(te_config(**fields))
     fused = run(te_config(**fields, **setting), plain[0].state_dict())
 
-    assert all(type(layer) is FP32CombineMoELayer for layer in moe_layers(fused[0]))
+    combine = "combine_preprocess" if dispatcher == "allgather" else "combine_postprocess"
+    for layer in moe_layers(fused[0]):
+        assert type(layer) is FP32CombineMoELayer
+        assert "route_unpermute_through" in getattr(layer.token_dispatcher, combine).__qualname__
     assert_close(fused, plain)
-
-
-def test_permute_fusion_with_fp32_combine_is_refused_when_the_config_is_built(te_world):
-    with pytest.raises(TorchExpertsConfigError, match=r"moe_combine_in_fp32=True does not support "
-                       r"moe_permute_fusion=True: .*set moe_permute_fusion=False"):
-        te_config(moe_expert_gemm_backend="torch", moe_combine_in_fp32=True,
-                  moe_permute_fusion=True)

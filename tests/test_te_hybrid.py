@@ -57,7 +57,7 @@ def adapter_grads(state, recompute_method, guard):
     recompute = dict(recompute_granularity="full", recompute_method=recompute_method,
                      recompute_num_layers=2) if recompute_method else {}
     config = hybrid_config(moe_expert_gemm_backend="torch", **recompute)
-    model = hybrid_model(config, specs.get_hybrid_stack_spec(config)).cuda()
+    model = te_hybrid_model(config)
     model.load_state_dict(state)
     if guard:
         assert install_frozen_input_guard(model) == 1
@@ -76,7 +76,7 @@ def adapter_grads(state, recompute_method, guard):
 @pytest.mark.parametrize("recompute_method", ["uniform", "block"])
 def test_te_hybrid_adapters_train_under_full_recompute(te_world, recompute_method):
     config = hybrid_config(moe_expert_gemm_backend="torch")
-    state = hybrid_model(config, specs.get_hybrid_stack_spec(config)).cuda().state_dict()
+    state = te_hybrid_model(config).state_dict()
     expected = adapter_grads(state, None, guard=False)
     # qkv and proj of 2 attention layers, fc1 and fc2 of 2 MoE layers; A and B each
     assert len(expected) == 8 * 2 and all(g is not None for g in expected.values())
