@@ -4,6 +4,7 @@ TorchGroupedMLP is built from a plain TransformerConfig."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from mcore_torch_experts import (
     TorchExpertsConfigError,
@@ -54,6 +55,14 @@ REFUSALS = [
      "moe_router_padding_for_quantization=False."),
     ("router_padding_for_fp8", dict(moe_router_padding_for_fp8=True), {},
      "moe_router_padding_for_fp8=True", "Set moe_router_padding_for_fp8=False."),
+    ("te_activation_silu_without_glu",
+     dict(use_te_activation_func=True, activation_func=F.silu, gated_linear_unit=False), {},
+     "use_te_activation_func=True", "with activation_func=silu and gated_linear_unit=False, "
+     "Transformer Engine's activation op is not the function TorchGroupedMLP computes (only "
+     "SwiGLU is the same); set use_te_activation_func=False."),
+    ("te_activation_geglu", dict(use_te_activation_func=True, activation_func=F.gelu,
+                                 gated_linear_unit=True), {},
+     "use_te_activation_func=True", "with activation_func=gelu and gated_linear_unit=True"),
     ("expert_offloading", dict(fine_grained_activation_offloading=True,
                                offload_modules=["attn_norm", "moe_act", "expert_fc1"]), {},
      "offload_modules=['expert_fc1', 'moe_act']", "remove 'expert_fc1' and 'moe_act'"),
@@ -151,18 +160,23 @@ def test_construction_refuses_flags_before_megatron_checks_them(settings, named,
     assert fix in message
 
 
-def test_te_fusions_on_the_moe_path_are_not_refused():
-    """TE's fused permutation, its router fusion and the fused weighted squared ReLU pass the
-    torch backend's and the FP32 combine's checks (they run in tests/test_te_fusions.py). Set
-    after construction: Megatron's __post_init__ wants TE importable for the permute fusion."""
+def test_fusions_on_the_moe_path_are_not_refused():
+    """TE's fused permutation, router fusion and SwiGLU op, and Megatron's fused activations
+    (weighted squared ReLU, bias SwiGLU) pass the torch backend's and the FP32 combine's checks;
+    tests/test_te_fusions.py runs them. Set after construction: Megatron's __post_init__ wants TE
+    importable for the permute fusion."""
     config = valid_config()
     config.moe_combine_in_fp32 = True
-    for field in ("moe_permute_fusion", "moe_router_fusion", "use_fused_weighted_squared_relu"):
+    config.activation_func, config.gated_linear_unit = F.silu, True
+    for field in ("moe_permute_fusion", "moe_router_fusion", "use_fused_weighted_squared_relu",
+                  "bias_activation_fusion",
+                  "use_te_activation_func"):  # SwiGLU: TE's op is the same function
         setattr(config, field, True)
     validate_torch_experts_config(config)
     validate_fp32_combine_config(config)
-    TorchExpertsTransformerConfig(**VALID, moe_expert_gemm_backend="torch", moe_combine_in_fp32=True,
-                                  moe_router_fusion=True, use_fused_weighted_squared_relu=True)
+    TorchExpertsTransformerConfig(**VALID, moe_expert_gemm_backend="torch",
+                                  moe_combine_in_fp32=True, moe_router_fusion=True,
+                                  use_fused_weighted_squared_relu=True)
 
 
 def test_valid_configs_build():

@@ -1,20 +1,24 @@
-"""Transformer Engine's fusions on the MoE path of a megatron-core MoE config, with TorchGroupedMLP
-experts and with FP32CombineMoELayer, on a GPT built from Megatron's TE spec (CUDA, BF16; the TE
-leg). Each works: the model with it computes what the same model without it computes, and what
-Megatron's TEGroupedMLP model with it computes.
+"""Fusions on the MoE path of a megatron-core MoE config, with TorchGroupedMLP experts and with
+FP32CombineMoELayer, on a GPT built from Megatron's TE spec (CUDA, BF16; the TE leg). Each works:
+the model with it computes what the same model without it computes, and what Megatron's
+TEGroupedMLP model with it computes.
 
 - moe_permute_fusion: TE's fused permute / unpermute / chunk sort in the dispatchers (the FP32
   combine rebuilds the rows' token ids, which TE's row map replaces).
 - moe_router_fusion: TE's fused top-k, scores and aux loss.
-- use_fused_weighted_squared_relu: TEGroupedMLP's fused squared ReLU x probs; TorchGroupedMLP
-  computes the same math itself.
+- use_te_activation_func (SwiGLU): TEGroupedMLP runs TE's SwiGLU op; TorchGroupedMLP computes the
+  same function itself.
+- use_fused_weighted_squared_relu, bias_activation_fusion: Megatron's fused activation x probs in
+  TEGroupedMLP (squared ReLU, SwiGLU); TorchGroupedMLP computes the same math itself.
+- moe_latent_size: the MoE layer's latent projections are TE linears; TorchGroupedMLP runs in the
+  latent width (no "without it" model here: the TEGroupedMLP one is the reference).
 Refused when the config is built (tests/test_config.py, every leg): routing-map padding for
-FP8/FP4 and the TE op fuser.
+FP8/FP4, the TE op fuser, and TE's activation ops other than SwiGLU.
 """
 
 import pytest
-import torch
 from megatron.core.activations import squared_relu
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mcore_torch_experts import FP32CombineMoELayer, TorchGroupedMLP
 from reference import rel_err
@@ -28,8 +32,11 @@ SQUARED_RELU = dict(activation_func=squared_relu, gated_linear_unit=False)
 FUSIONS = {  # name: (the setting, the model it applies to)
     "moe_permute_fusion": (dict(moe_permute_fusion=True), {}),
     "moe_router_fusion": (dict(moe_router_fusion=True), {}),
+    "use_te_activation_func": (dict(use_te_activation_func=True), {}),
     "use_fused_weighted_squared_relu": (dict(use_fused_weighted_squared_relu=True), SQUARED_RELU),
+    "bias_activation_fusion": (dict(bias_activation_fusion=True), {}),
 }
+LATENT = 32  # hidden 64 -> latent 32 -> the experts
 
 
 def moe_layers(model):
@@ -87,3 +94,22 @@ def test_fusion_with_fp32_combine(te_world, fusion, dispatcher):
         assert type(layer) is FP32CombineMoELayer
         assert "route_unpermute_through" in getattr(layer.token_dispatcher, combine).__qualname__
     assert_close(fused, plain)
+
+
+@pytest.mark.skipif("moe_latent_size" not in TransformerConfig.__dataclass_fields__,
+                    reason="moe_latent_size arrived in a later megatron-core")
+@pytest.mark.parametrize("dispatcher", DISPATCHERS)
+def test_latent_moe_with_torch_grouped_mlp_and_fp32_combine(te_world, dispatcher):
+    fields = dict(moe_token_dispatcher_type=dispatcher, moe_latent_size=LATENT)
+    theirs = run(te_config(**fields))  # TEGroupedMLP between TE's latent projections
+    state = theirs[0].state_dict()
+    ours = run(te_config(moe_expert_gemm_backend="torch", **fields), state)
+    fp32 = run(te_config(moe_expert_gemm_backend="torch", moe_combine_in_fp32=True, **fields),
+               state)
+
+    for layer in moe_layers(ours[0]) + moe_layers(fp32[0]):
+        assert type(layer.experts) is TorchGroupedMLP
+        assert layer.experts.linear_fc1.in_features == layer.experts.linear_fc2.out_features == LATENT
+    assert all(type(layer) is FP32CombineMoELayer for layer in moe_layers(fp32[0]))
+    assert_close(ours, theirs)
+    assert_close(fp32, ours)
