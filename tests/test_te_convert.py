@@ -94,24 +94,33 @@ def assert_same_tensors(got, expected):
         assert torch.equal(got[key], value), key
 
 
-def test_torch_dist_checkpoint_loads_te_to_torch_and_back(te_world, tmp_path):
-    te_model = te_gpt(te_config(), seed=1)
-    expected = tensors(te_model.state_dict())
-    converted = te_gpt(te_config(), seed=2)
+@pytest.mark.parametrize("moe_grouped_gemm", [True, False],
+                         ids=["te_grouped_mlp", "te_spec_sequential_mlp"])
+def test_torch_dist_checkpoint_loads_te_to_torch_and_back(te_world, tmp_path, moe_grouped_gemm):
+    """A TE-spec model's checkpoint loads into its converted twin, whose checkpoint loads into a
+    fresh TE-spec model: every tensor as saved (SequentialMLP's under TEGroupedMLP's keys)."""
+    def weights(model):
+        return tensors(sequential_to_grouped(model.state_dict()))
+
+    te_model = te_gpt(te_config(moe_grouped_gemm=moe_grouped_gemm), seed=1)
+    expected = weights(te_model)
+    converted = te_gpt(te_config(moe_grouped_gemm=moe_grouped_gemm), seed=2)
     convert_experts_to_torch(converted)
-    fresh_te_model = te_gpt(te_config(), seed=3)
+    fresh_te_model = te_gpt(te_config(moe_grouped_gemm=moe_grouped_gemm), seed=3)
     expert_key = f"{EXPERTS[0]}.linear_fc1.weight0"
     for other in (converted, fresh_te_model):  # different weights before loading
-        assert not torch.equal(other.state_dict()[expert_key], expected[expert_key])
+        assert not torch.equal(weights(other)[expert_key], expected[expert_key])
 
     save(te_model, tmp_path / "te")
     load(converted, tmp_path / "te")
     assert isinstance(converted.get_submodule(EXPERTS[0]), TorchGroupedMLP)
-    assert_same_tensors(tensors(converted.state_dict()), expected)
+    assert_same_tensors(weights(converted), expected)
 
     save(converted, tmp_path / "torch")
     load(fresh_te_model, tmp_path / "torch")
-    assert_same_tensors(tensors(fresh_te_model.state_dict()), expected)
+    te_experts = type(te_model.get_submodule(EXPERTS[0]))
+    assert type(fresh_te_model.get_submodule(EXPERTS[0])) is te_experts
+    assert_same_tensors(weights(fresh_te_model), expected)
     # The loaded models compute what the saved one computes (TE against torch experts: BF16).
     logits = forward_backward(te_model)[0]
     assert rel_err(forward_backward(fresh_te_model)[0], logits) < 1e-3

@@ -109,7 +109,8 @@ def test_latent_moe_with_torch_grouped_mlp_and_fp32_combine(te_world, dispatcher
 
     for layer in moe_layers(ours[0]) + moe_layers(fp32[0]):
         assert type(layer.experts) is TorchGroupedMLP
-        assert layer.experts.linear_fc1.in_features == layer.experts.linear_fc2.out_features == LATENT
+        fc1, fc2 = layer.experts.linear_fc1, layer.experts.linear_fc2
+        assert fc1.in_features == fc2.out_features == LATENT
     assert all(type(layer) is FP32CombineMoELayer for layer in moe_layers(fp32[0]))
     assert_close(ours, theirs)
     assert_close(fp32, ours)

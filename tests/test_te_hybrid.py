@@ -63,7 +63,7 @@ def adapter_grads(state, recompute_method, guard):
         assert install_frozen_input_guard(model) == 1
     apply_lora(model, TARGETS, rank=4, alpha=8, dtype=torch.float32)
     torch.manual_seed(0)
-    for p in lora_parameters(model).values():  # B starts at zero: give every adapter a gradient path
+    for p in lora_parameters(model).values():  # B starts at zero: every adapter gets a gradient
         torch.nn.init.normal_(p, std=0.02)
     inputs, positions, mask, labels = (t.cuda() for t in batch())
     model.train()
