@@ -55,6 +55,8 @@ REFUSED_WHEN_SET = {
                                    "moe_mlp_glu_interleave_size=None.",  # 0.18+
     "moe_single_grouped_weight": "TorchGroupedMLP keeps one Parameter per expert "
                                  "(linear_fc*.weightN); set moe_single_grouped_weight=False.",  # 0.18+
+    "moe_paged_stash": "TorchGroupedMLP saves what its backward needs itself and keeps no "
+                       "paged stash; set moe_paged_stash=False.",  # 0.19+
     **{field: f"routing-map padding rounds expert segments up for FP8/FP4 experts; the torch "
               f"backend runs BF16 segments of any length. Set {field}=False."
        for field in ("moe_router_padding_for_quantization", "moe_router_padding_for_fp8")},
@@ -64,8 +66,8 @@ REFUSED_WHEN_SET = {
 # from the routing map) and moe_router_fusion (TE's top-k, scores, aux loss) hand the experts the
 # same rows and work; use_fused_weighted_squared_relu and bias_activation_fusion (Megatron's fused
 # activation x probs in TEGroupedMLP) compute what TorchGroupedMLP computes anyway, and so does
-# use_te_activation_func for SwiGLU only (_refuse_te_activation_mismatch); the TE op fuser and
-# routing-map padding (FP8/FP4 only) are refused above.
+# use_te_activation_func for SwiGLU only (_refuse_te_activation_mismatch); the TE op fuser,
+# routing-map padding (FP8/FP4 only) and the paged stash (HybridEP / NCCL-EP) are refused above.
 # A fused expert-LoRA switch (none in Megatron-Core 0.16 to 0.19): a field naming LoRA and experts.
 FUSED_EXPERT_LORA_FIELD = re.compile(r"lora.*(expert|moe)|(expert|moe).*lora")
 OFFLOADED_EXPERT_MODULES = {"expert_fc1", "moe_act"}

@@ -55,6 +55,8 @@ REFUSALS = [
      "moe_router_padding_for_quantization=False."),
     ("router_padding_for_fp8", dict(moe_router_padding_for_fp8=True), {},
      "moe_router_padding_for_fp8=True", "Set moe_router_padding_for_fp8=False."),
+    ("paged_stash_0_19", dict(moe_paged_stash=True), {}, "moe_paged_stash=True",
+     "keeps no paged stash; set moe_paged_stash=False."),
     ("te_activation_silu_without_glu",
      dict(use_te_activation_func=True, activation_func=F.silu, gated_linear_unit=False), {},
      "use_te_activation_func=True", "with activation_func=silu and gated_linear_unit=False, "
