@@ -185,7 +185,7 @@ def recompute_block_classes() -> tuple:
 # Both the allgather and the alltoall dispatcher sum a token's top-k rows inside `moe_utils.unpermute`
 # (called without probs: the experts already applied them). FP32CombineMoELayer hands each
 # dispatcher instance a replacement for the method that calls it. The reversed permutation
-# mapping is the rows' token ids (0.16/0.17: masked_select; 0.18+: a stable argsort), or TE's row
+# mapping is the rows' token ids (0.16: masked_select; 0.17+: a stable argsort), or TE's row
 # map under moe_permute_fusion; the allgather dispatcher keeps its routing map as `local_map`, the
 # alltoall one as `routing_map`.
 # Alltoall with overlapped shared experts: 0.16/0.17 run the shared experts' fc2 and their output
@@ -208,7 +208,7 @@ def permuted_token_ids(routing_map: torch.Tensor, num_rows: int) -> torch.Tensor
     """routing_map [T, E] bool -> the token of each of the `num_rows` permuted rows [num_rows]:
     expert by expert, tokens ascending within each, the order of Megatron's permute and of
     Transformer Engine's fused one (its row map counts each expert's tokens in token order).
-    No host sync (a stable sort, as Megatron's own permute does from 0.18)."""
+    No host sync (a stable sort, as Megatron's own permute does from 0.17)."""
     experts_by_token = routing_map.bool().T.contiguous().reshape(-1)
     rows = experts_by_token.argsort(descending=True, stable=True)[:num_rows]
     return rows % routing_map.shape[0]
@@ -228,8 +228,8 @@ def route_unpermute_through(dispatcher, combine) -> None:
 
     if isinstance(dispatcher, td.MoEAllGatherTokenDispatcher):
         def combine_preprocess(hidden_states):
-            return combine(hidden_states, _token_ids(dispatcher, dispatcher.local_map, hidden_states),
-                           dispatcher.hidden_shape_before_permute)
+            token_ids = _token_ids(dispatcher, dispatcher.local_map, hidden_states)
+            return combine(hidden_states, token_ids, dispatcher.hidden_shape_before_permute)
 
         dispatcher.combine_preprocess = combine_preprocess
     elif isinstance(dispatcher, td.MoEAlltoAllTokenDispatcher):
