@@ -184,7 +184,10 @@ def recompute_block_classes() -> tuple:
 # --- Token dispatchers ---------------------------------------------------------------------------
 # Both the allgather and the alltoall dispatcher sum a token's top-k rows inside `moe_utils.unpermute`
 # (called without probs: the experts already applied them). FP32CombineMoELayer hands each
-# dispatcher instance a replacement for the method that calls it.
+# dispatcher instance a replacement for the method that calls it. The reversed permutation
+# mapping is the rows' token ids (0.16: masked_select; 0.17+: a stable argsort), or TE's row
+# map under moe_permute_fusion; the allgather dispatcher keeps its routing map as `local_map`, the
+# alltoall one as `routing_map`.
 # Alltoall with overlapped shared experts: 0.16/0.17 run the shared experts' fc2 and their output
 # communication in `combine_postprocess`; 0.18+ run them in `token_combine`, before it.
 
@@ -201,14 +204,32 @@ def shared_experts_fc2_in_combine_postprocess() -> bool:
     return megatron_core_release() < (0, 18)
 
 
+def permuted_token_ids(routing_map: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """routing_map [T, E] bool -> the token of each of the `num_rows` permuted rows [num_rows]:
+    expert by expert, tokens ascending within each, the order of Megatron's permute and of
+    Transformer Engine's fused one (its row map counts each expert's tokens in token order).
+    No host sync (a stable sort, as Megatron's own permute does from 0.17)."""
+    experts_by_token = routing_map.bool().T.contiguous().reshape(-1)
+    rows = experts_by_token.argsort(descending=True, stable=True)[:num_rows]
+    return rows % routing_map.shape[0]
+
+
+def _token_ids(dispatcher, routing_map: torch.Tensor, permuted: torch.Tensor) -> torch.Tensor:
+    """The token of each row of `permuted` [N, H]. Megatron's permute keeps them as the reversed
+    mapping; with moe_permute_fusion that holds TE's row map instead, and they are rebuilt."""
+    if dispatcher.config.moe_permute_fusion:
+        return permuted_token_ids(routing_map, permuted.shape[0])
+    return dispatcher.reversed_local_input_permutation_mapping
+
+
 def route_unpermute_through(dispatcher, combine) -> None:
     """Make `dispatcher` sum top-k rows with `combine(permuted [N, H], token_ids [N], restore_shape)`."""
     from megatron.core.transformer.moe import token_dispatcher as td
 
     if isinstance(dispatcher, td.MoEAllGatherTokenDispatcher):
         def combine_preprocess(hidden_states):
-            return combine(hidden_states, dispatcher.reversed_local_input_permutation_mapping,
-                           dispatcher.hidden_shape_before_permute)
+            token_ids = _token_ids(dispatcher, dispatcher.local_map, hidden_states)
+            return combine(hidden_states, token_ids, dispatcher.hidden_shape_before_permute)
 
         dispatcher.combine_preprocess = combine_preprocess
     elif isinstance(dispatcher, td.MoEAlltoAllTokenDispatcher):
@@ -219,8 +240,8 @@ def route_unpermute_through(dispatcher, combine) -> None:
             if shared is not None and fc2_here:
                 shared.linear_fc2_forward(permuted_local_input_tokens)
                 shared.post_forward_comm()
-            output = combine(permuted_local_input_tokens,
-                             dispatcher.reversed_local_input_permutation_mapping,
+            token_ids = _token_ids(dispatcher, dispatcher.routing_map, permuted_local_input_tokens)
+            output = combine(permuted_local_input_tokens, token_ids,
                              dispatcher.hidden_shape_before_permute).view(dispatcher.hidden_shape)
             if shared is not None:
                 output = output + shared.get_output()

@@ -55,7 +55,19 @@ REFUSED_WHEN_SET = {
                                    "moe_mlp_glu_interleave_size=None.",  # 0.18+
     "moe_single_grouped_weight": "TorchGroupedMLP keeps one Parameter per expert "
                                  "(linear_fc*.weightN); set moe_single_grouped_weight=False.",  # 0.18+
+    "moe_paged_stash": "TorchGroupedMLP saves what its backward needs itself and keeps no "
+                       "paged stash; set moe_paged_stash=False.",  # 0.19+
+    **{field: f"routing-map padding rounds expert segments up for FP8/FP4 experts; the torch "
+              f"backend runs BF16 segments of any length. Set {field}=False."
+       for field in ("moe_router_padding_for_quantization", "moe_router_padding_for_fp8")},
 }
+# Fusions on the MoE path and what the torch backend does with them: moe_permute_fusion (TE's
+# permute / unpermute / chunk sort in the dispatchers; FP32CombineMoELayer rebuilds the token ids
+# from the routing map) and moe_router_fusion (TE's top-k, scores, aux loss) hand the experts the
+# same rows and work; use_fused_weighted_squared_relu and bias_activation_fusion (Megatron's fused
+# activation x probs in TEGroupedMLP) compute what TorchGroupedMLP computes anyway, and so does
+# use_te_activation_func for SwiGLU only (_refuse_te_activation_mismatch); the TE op fuser,
+# routing-map padding (FP8/FP4 only) and the paged stash (HybridEP / NCCL-EP) are refused above.
 # A fused expert-LoRA switch (none in Megatron-Core 0.16 to 0.19): a field naming LoRA and experts.
 FUSED_EXPERT_LORA_FIELD = re.compile(r"lora.*(expert|moe)|(expert|moe).*lora")
 OFFLOADED_EXPERT_MODULES = {"expert_fc1", "moe_act"}
@@ -73,6 +85,21 @@ def refuse_unsupported_flags(settings: Mapping[str, object]) -> None:
                     f"{field} off. Adapters wrap TorchGroupedMLP's linear_fc1/linear_fc2 instead.")
 
 
+def _refuse_te_activation_mismatch(config: TransformerConfig) -> None:
+    """use_te_activation_func: Megatron's experts run Transformer Engine's activation op, which
+    is the function TorchGroupedMLP computes (activation_func) for gated silu (TE's SwiGLU) only:
+    Megatron maps silu without gating to TE's ReLU, and TE's GELU ops use the tanh form."""
+    if not getattr(config, "use_te_activation_func", False):
+        return
+    if config.gated_linear_unit and config.activation_func == torch.nn.functional.silu:
+        return
+    activation = getattr(config.activation_func, "__name__", config.activation_func)
+    _refuse("use_te_activation_func", True,
+            f"with activation_func={activation} and gated_linear_unit={config.gated_linear_unit}, "
+            "Transformer Engine's activation op is not the function TorchGroupedMLP computes "
+            "(only SwiGLU is the same); set use_te_activation_func=False.")
+
+
 def _check_supported_settings(config: TransformerConfig) -> None:
     if config.num_moe_experts is None:
         _refuse("num_moe_experts", None,
@@ -81,6 +108,7 @@ def _check_supported_settings(config: TransformerConfig) -> None:
     if not config.moe_grouped_gemm:
         _refuse("moe_grouped_gemm", False, "set moe_grouped_gemm=True.")
     refuse_unsupported_flags(vars(config))
+    _refuse_te_activation_mismatch(config)
     dtype = config.params_dtype
     if dtype == torch.float16 or (dtype != torch.bfloat16 and not config.use_cpu_initialization):
         _refuse("params_dtype", dtype,
@@ -179,9 +207,6 @@ def validate_fp32_combine_config(config: TransformerConfig) -> None:
     if config.moe_token_dispatcher_type not in COMBINE_DISPATCHERS:
         refuse("moe_token_dispatcher_type", config.moe_token_dispatcher_type,
                f"use one of {COMBINE_DISPATCHERS}.")
-    if config.moe_permute_fusion:
-        refuse("moe_permute_fusion", True, "the fused unpermute does its own combine; set "
-               "moe_permute_fusion=False.")
     if config.moe_pad_expert_input_to_capacity:
         refuse("moe_pad_expert_input_to_capacity", True, "padded (drop-and-pad) combines are not "
                "supported; set moe_pad_expert_input_to_capacity=False.")

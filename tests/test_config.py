@@ -4,11 +4,13 @@ TorchGroupedMLP is built from a plain TransformerConfig."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from mcore_torch_experts import (
     TorchExpertsConfigError,
     TorchExpertsTransformerConfig,
     TorchGroupedMLP,
+    validate_fp32_combine_config,
     validate_torch_experts_config,
 )
 from mcore_torch_experts.specs import torch_experts_spec
@@ -47,6 +49,22 @@ REFUSALS = [
      "moe_single_grouped_weight=True", "set moe_single_grouped_weight=False"),
     ("fused_expert_lora", dict(moe_expert_lora_fusion=True), {}, "moe_expert_lora_fusion=True",
      "set moe_expert_lora_fusion off"),
+    ("router_padding_for_quantization", dict(moe_router_padding_for_quantization=True), {},
+     "moe_router_padding_for_quantization=True",
+     "the torch backend runs BF16 segments of any length. Set "
+     "moe_router_padding_for_quantization=False."),
+    ("router_padding_for_fp8", dict(moe_router_padding_for_fp8=True), {},
+     "moe_router_padding_for_fp8=True", "Set moe_router_padding_for_fp8=False."),
+    ("paged_stash_0_19", dict(moe_paged_stash=True), {}, "moe_paged_stash=True",
+     "keeps no paged stash; set moe_paged_stash=False."),
+    ("te_activation_silu_without_glu",
+     dict(use_te_activation_func=True, activation_func=F.silu, gated_linear_unit=False), {},
+     "use_te_activation_func=True", "with activation_func=silu and gated_linear_unit=False, "
+     "Transformer Engine's activation op is not the function TorchGroupedMLP computes (only "
+     "SwiGLU is the same); set use_te_activation_func=False."),
+    ("te_activation_geglu", dict(use_te_activation_func=True, activation_func=F.gelu,
+                                 gated_linear_unit=True), {},
+     "use_te_activation_func=True", "with activation_func=gelu and gated_linear_unit=True"),
     ("expert_offloading", dict(fine_grained_activation_offloading=True,
                                offload_modules=["attn_norm", "moe_act", "expert_fc1"]), {},
      "offload_modules=['expert_fc1', 'moe_act']", "remove 'expert_fc1' and 'moe_act'"),
@@ -126,15 +144,41 @@ def test_construction_with_the_torch_backend_validates(settings, named):
     (dict(fp8="hybrid"), "fp8='hybrid'", "set fp8=None"),
     (dict(fp8="e4m3", fp8_recipe="delayed"), "fp8='e4m3'", "set fp8=None"),
     (dict(fp4="nvfp4"), "fp4='nvfp4'", "set fp4=None"),
-], ids=["fp8_hybrid", "fp8_e4m3", "fp4"])
+    (dict(moe_router_padding_for_fp8=True, moe_token_dispatcher_type="alltoall"),
+     "moe_router_padding_for_fp8=True", "Set moe_router_padding_for_fp8=False."),
+    (dict(moe_router_padding_for_quantization=True, moe_token_dispatcher_type="alltoall"),
+     "moe_router_padding_for_quantization=True",
+     "Set moe_router_padding_for_quantization=False."),
+], ids=["fp8_hybrid", "fp8_e4m3", "fp4", "router_padding_for_fp8",
+        "router_padding_for_quantization"])
 def test_construction_refuses_flags_before_megatron_checks_them(settings, named, fix):
-    """Megatron's own __post_init__ fails on these without Transformer Engine (a TypeError
-    comparing its missing version); ours runs first and names the fix."""
+    """Megatron's own __post_init__ fails on these first without naming our fix: fp8/fp4 without
+    Transformer Engine (a TypeError comparing its missing version), routing-map padding without
+    fp8/fp4 ("fp8/fp4 must be specified"). Ours runs first and names the fix."""
     with pytest.raises(TorchExpertsConfigError) as refusal:
         TorchExpertsTransformerConfig(**VALID, **settings, moe_expert_gemm_backend="torch")
     message = str(refusal.value)
     assert message.startswith(f"moe_expert_gemm_backend='torch' does not support {named}: ")
     assert fix in message
+
+
+def test_fusions_on_the_moe_path_are_not_refused():
+    """TE's fused permutation, router fusion and SwiGLU op, and Megatron's fused activations
+    (weighted squared ReLU, bias SwiGLU) pass the torch backend's and the FP32 combine's checks;
+    tests/test_te_fusions.py runs them. Set after construction: Megatron's __post_init__ wants TE
+    importable for the permute fusion."""
+    config = valid_config()
+    config.moe_combine_in_fp32 = True
+    config.activation_func, config.gated_linear_unit = F.silu, True
+    for field in ("moe_permute_fusion", "moe_router_fusion", "use_fused_weighted_squared_relu",
+                  "bias_activation_fusion",
+                  "use_te_activation_func"):  # SwiGLU: TE's op is the same function
+        setattr(config, field, True)
+    validate_torch_experts_config(config)
+    validate_fp32_combine_config(config)
+    TorchExpertsTransformerConfig(**VALID, moe_expert_gemm_backend="torch",
+                                  moe_combine_in_fp32=True, moe_router_fusion=True,
+                                  use_fused_weighted_squared_relu=True)
 
 
 def test_valid_configs_build():

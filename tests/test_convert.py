@@ -2,7 +2,6 @@
 TEGroupedMLP experts) into one with TorchGroupedMLP experts: same outputs, same sharded keys."""
 
 import gc
-import importlib.util
 import weakref
 
 import pytest
@@ -127,29 +126,3 @@ def test_model_chunks_and_a_second_conversion(megatron_cpu):
     summary = convert_experts_to_torch([model])  # Megatron-LM and Bridge hand over chunk lists
     assert summary.names == [f"0.{name}" for name in EXPERTS]
     assert convert_experts_to_torch(model) == ConversionSummary(blocks_guarded=1)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="TEGroupedMLP runs on CUDA only")
-@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
-                    reason="Transformer Engine is not installed: no TEGroupedMLP to convert")
-def test_te_grouped_mlp_model_converts_with_unchanged_keys(megatron_cpu):
-    from megatron.core.transformer.moe.experts import TEGroupedMLP
-
-    config = tiny_config(moe_grouped_gemm=True, use_cpu_initialization=False)
-    model = gpt(config, gpt_layer_specs.get_gpt_decoder_block_spec(config, True))
-    assert all(isinstance(model.get_submodule(name), TEGroupedMLP) for name in EXPERTS)
-    freeze_experts(model)
-    logits, _, grads = forward_backward(model)
-    weights = {k: v.clone() for k, v in model.state_dict().items() if ".experts." in k
-               and "_extra_state" not in k}
-    layout = sharded_layout(model)
-
-    summary = convert_experts_to_torch(model)
-
-    assert summary.names == EXPERTS and summary.bytes_packed == 2 * BYTES_PER_LAYER
-    new_state = model.state_dict()
-    assert all(torch.equal(new_state[key], value) for key, value in weights.items())
-    assert sharded_layout(model) == layout
-    new_logits, _, new_grads = forward_backward(model)
-    assert rel_err(new_logits, logits) < 1e-2
-    assert all(rel_err(new_grads[name], grads[name]) < 5e-2 for name in grads)

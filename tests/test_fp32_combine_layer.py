@@ -200,3 +200,64 @@ def test_alltoall_with_shared_experts_matches_megatron(megatron_world, cpu_cuda_
     out_megatron, _ = megatron(x)
     assert calls == [ours, megatron]
     assert rel_err(out, out_megatron) < 1e-2
+
+
+@pytest.mark.parametrize("case", ["top_k", "an_expert_without_tokens", "padded_routing_map"])
+def test_token_ids_rebuilt_for_the_fused_permutation_are_megatrons(case):
+    """Under moe_permute_fusion the dispatcher keeps TE's row map, and the FP32 combine rebuilds
+    each permuted row's token from the routing map: the rows Megatron's own (unfused) permute
+    gathers, in its order, on every release."""
+    from megatron.core.transformer.moe.moe_utils import permute
+
+    num_tokens, num_experts, top_k = 37, 6, 2
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.rand(num_tokens, num_experts, generator=generator)
+    if case == "an_expert_without_tokens":
+        scores[:, 3] = -1.0
+    routing_map = torch.zeros(num_tokens, num_experts, dtype=torch.bool)
+    routing_map.scatter_(1, scores.topk(top_k, dim=1).indices, True)
+    if case == "padded_routing_map":  # what routing-map padding adds: more tokens per expert
+        routing_map[:5, 0] = True
+    tokens = torch.randn(num_tokens, 8, generator=generator)
+    num_rows = int(routing_map.sum())
+    permuted, _, megatron_ids = permute(tokens, routing_map, num_out_tokens=num_rows)[:3]
+
+    token_ids = _compat.permuted_token_ids(routing_map, num_rows)
+
+    assert torch.equal(token_ids, megatron_ids)
+    assert torch.equal(tokens[token_ids], permuted)
+
+
+def test_fp32_combine_reads_the_routing_map_under_the_fused_permutation(megatron_world,
+                                                                       monkeypatch):
+    """The allgather dispatcher with moe_permute_fusion, TE's permute played by a stand-in that
+    gathers the same rows and keeps a mapping that is not their token ids (as TE's row map is
+    not): the FP32 combine gives what it gives without the fusion, bit for bit."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    unfused_permute = token_dispatcher.permute
+
+    def permute(*args, fused=False, **kwargs):
+        rows, probs, token_ids, *rest = unfused_permute(*args, fused=False, **kwargs)
+        return (rows, probs, token_ids.flip(0) if fused else token_ids, *rest)
+
+    monkeypatch.setattr(token_dispatcher, "permute", permute)
+    config = make_config(num_experts=EXPERTS, hidden=HIDDEN, ffn=64, moe_router_topk=TOP_K,
+                         moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0)
+    config.moe_expert_gemm_backend, config.moe_combine_backend = "torch", "torch"
+    torch.manual_seed(0)
+    layer = moe_layer(config, FP32CombineMoELayer)
+    layer.experts.requires_grad_(False)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    layer.to(device)
+    x = torch.randn(TOKENS, 1, HIDDEN, device=device).bfloat16()
+    grad = torch.randn_like(x)
+    results = []
+    for fused in (False, True):  # set on the built layer: Megatron's config check wants TE
+        config.moe_permute_fusion = fused
+        x_in = x.clone().requires_grad_(True)
+        out, _ = layer(x_in)
+        out.backward(grad)
+        results.append((out.detach(), x_in.grad))
+    (out, dx), (fused_out, fused_dx) = results
+    assert torch.equal(fused_out, out) and torch.equal(fused_dx, dx)
