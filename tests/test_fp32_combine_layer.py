@@ -232,7 +232,8 @@ def test_fp32_combine_reads_the_routing_map_under_the_fused_permutation(megatron
                                                                        monkeypatch):
     """The allgather dispatcher with moe_permute_fusion, TE's permute played by a stand-in that
     gathers the same rows and keeps a mapping that is not their token ids (as TE's row map is
-    not): the FP32 combine gives what it gives without the fusion, bit for bit."""
+    not): the FP32 combine gives what it gives without the fusion, bit for bit (the input
+    gradient on CUDA up to the order of atomic additions)."""
     from megatron.core.transformer.moe import token_dispatcher
 
     unfused_permute = token_dispatcher.permute
@@ -260,4 +261,8 @@ def test_fp32_combine_reads_the_routing_map_under_the_fused_permutation(megatron
         out.backward(grad)
         results.append((out.detach(), x_in.grad))
     (out, dx), (fused_out, fused_dx) = results
-    assert torch.equal(fused_out, out) and torch.equal(fused_dx, dx)
+    assert torch.equal(fused_out, out)
+    if device == "cpu":
+        assert torch.equal(fused_dx, dx)
+    else:  # the permutation's backward sums rows with CUDA atomics: the order differs per run
+        torch.testing.assert_close(fused_dx, dx)

@@ -28,7 +28,10 @@ def models(granularity, activation="swiglu", dtype=torch.float32):
                   params_dtype=dtype, **act)
     dense_config = tiny_config(**common, num_moe_experts=None, moe_ffn_hidden_size=None,
                                ffn_hidden_size=DENSE_FFN)
-    dense = gpt(dense_config, gpt_layer_specs.get_gpt_layer_local_spec(), seed=1)
+    # A block spec: a model built from a layer spec gets Megatron's TENorm as its final norm
+    # wherever Transformer Engine is importable, and TENorm runs on CUDA only.
+    dense = gpt(dense_config, gpt_layer_specs.get_gpt_decoder_block_spec(dense_config, False),
+                seed=1)
     moe = dict(common, num_moe_experts=NUM_EXPERTS, moe_ffn_hidden_size=DENSE_FFN // granularity)
     seq_config = tiny_config(**moe, moe_grouped_gemm=False)
     sequential = gpt(seq_config, gpt_layer_specs.get_gpt_decoder_block_spec(seq_config, False))
