@@ -30,6 +30,12 @@ TRAINABLE_BASE_ERROR = (
 )
 
 
+def _shares_memory(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """Whether `tensor` lies in `buffer`'s storage."""
+    return (tensor.device == buffer.device
+            and tensor.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr())
+
+
 class TorchGroupedLinear(torch.nn.Module):
     """E frozen, bias-free expert linears packed in one buffer.
 
@@ -71,6 +77,7 @@ class TorchGroupedLinear(torch.nn.Module):
         """The module's own buffer: what `packed_weight` holds, except while
         torch.func.functional_call substitutes a tensor for it (ignored: the weights count)."""
         self._register_load_state_dict_pre_hook(self._drop_per_expert_extra_states)
+        self._register_load_state_dict_pre_hook(self._copy_views_of_the_buffer)
         expert_parallel = config.expert_model_parallel_size > 1
         self._weight_names = [f"weight{i}" for i in range(num_experts)]
         self._weight_index = {name: i for i, name in enumerate(self._weight_names)}
@@ -108,9 +115,9 @@ class TorchGroupedLinear(torch.nn.Module):
     def register_parameter(self, name: str, param: Optional[torch.nn.Parameter]) -> None:
         """Registering `weightN` (`linear.weightN = Parameter(...)`, `load_state_dict(...,
         assign=True)`) replaces that expert for good: its values are cast into its slot of the
-        buffer (at once when it is on the buffer's device, else at the next forward) and the
-        Parameter becomes a view of it. The other experts are untouched; a shape mismatch is
-        refused before anything changes."""
+        buffer and the Parameter becomes a view of it: at once when it is on the buffer's device
+        and holds its own memory, else at the next forward (or cast or move of the module).
+        The other experts are untouched; a shape mismatch is refused before anything changes."""
         index = self.__dict__.get("_weight_index", {}).get(name)
         if index is None:
             return super().register_parameter(name, param)
@@ -121,7 +128,8 @@ class TorchGroupedLinear(torch.nn.Module):
                              f"{expected} (it is cast into the packed weight), got {got}")
         super().register_parameter(name, param)
         self._own_weights[index] = param
-        if param.device == self._packed.device and not self._views_slot(index, param):
+        if (param.device == self._packed.device and not self._views_slot(index, param)
+                and not _shares_memory(param, self._packed)):
             self._repack([index])
 
     def _views_slot(self, index: int, weight: torch.Tensor) -> bool:
@@ -131,6 +139,10 @@ class TorchGroupedLinear(torch.nn.Module):
         slot = packed.data_ptr() + index * packed.stride(0) * packed.element_size()
         return (weight.dtype == packed.dtype and weight.device == packed.device
                 and weight.data_ptr() == slot)
+
+    def _stale(self) -> List[int]:
+        """The registered weights that no longer view their slot (replaced, not yet packed)."""
+        return [i for i, w in enumerate(self._own_weights) if not self._views_slot(i, w)]
 
     def packed(self, refuse_trainable: bool = False) -> torch.Tensor:
         """The packed weight [E, out, in] for this call, with one walk over the experts.
@@ -166,36 +178,74 @@ class TorchGroupedLinear(torch.nn.Module):
         return torch.stack([w.to(dtype=packed.dtype, device=packed.device) for w in weights])
 
     def _repack(self, stale: List[int]) -> None:
-        """Copy the registered weights `stale` (cast to the buffer's dtype) into their slots and
-        make them views again. When every weight sits on one other device (moved one by one) the
-        buffer follows them there. The buffer is never an inference tensor, whatever mode this
-        runs in."""
+        """Pack the registered weights `stale` into the buffer; when every weight sits on one
+        other device (moved one by one) the buffer follows them there."""
+        target, stale = self._pack_target(stale)
+        self._pack(target, stale)
+
+    def _pack_target(self, stale: List[int]):
+        """(buffer to pack into, weights to pack): the module's buffer and `stale`, or, when
+        every weight sits on one other device, a new buffer there and all of them."""
+        devices = {w.device for w in self._own_weights}
+        if len(devices) == 1 and self._packed.device not in devices:
+            return torch.empty_like(self._packed, device=devices.pop()), range(self.num_experts)
+        return self._packed, stale
+
+    def _pack(self, packed: torch.Tensor, stale, convert=None) -> None:
+        """Make `packed` [E, out, in] the buffer: copy `convert(weight)` of the registered
+        weights `stale` into their slots (cast to its dtype) and point them, and every weight
+        not waiting to be packed, at their slots.
+
+        Sources are read before any slot is written: a replaced weight that still lies in the
+        old buffer (a `.data` swap, a permutation) is copied out of it first, so slots replaced
+        in any order get the values they were given. The buffer is never an inference tensor,
+        whatever mode this runs in."""
         own = self._own_weights
         expected = self._packed.shape[1:]
         for i in stale:
             if own[i].shape != expected:
                 raise ValueError(f"{self.name}.weight{i} has shape {list(own[i].shape)}, "
                                  f"expected {list(expected)}")
-        devices = {w.device for w in own}
+        waiting = set(self._stale())
         with torch.no_grad(), torch.inference_mode(False):
-            packed = self._packed
-            if len(devices) == 1 and packed.device not in devices:
-                packed = torch.empty_like(packed, device=devices.pop())
-                stale = range(self.num_experts)
+            for i in waiting:
+                if _shares_memory(own[i], self._packed):
+                    own[i].data = own[i].data.clone()
             for i in stale:
-                packed[i].copy_(own[i])
+                packed[i].copy_(own[i].data if convert is None else convert(own[i].data))
             self._buffers["packed_weight"] = self._packed = packed
-            for i in stale:
-                own[i].data = packed[i]
+            waiting.difference_update(stale)
+            for i in range(self.num_experts):
+                if i not in waiting:
+                    self._point_at_slot(i)
+
+    def _point_at_slot(self, index: int) -> None:
+        """Make `weight{index}` a view of its slot. Tensors of different kinds (to or from the
+        meta device) cannot share `.data`: the Parameter is replaced by one with the same
+        attributes, as Module._apply does."""
+        weight, slot = self._own_weights[index], self._packed[index]
+        if torch._has_compatible_shallow_copy_type(weight, slot):
+            weight.data = slot
+            return
+        new = torch.nn.Parameter(slot, requires_grad=weight.requires_grad)
+        new.__dict__.update(weight.__dict__)
+        self._parameters[self._weight_names[index]] = self._own_weights[index] = new
 
     def _apply(self, fn, recurse=True):
-        # Move/cast the buffer once and keep every expert Parameter a view of it.
-        packed = fn(self._packed)
-        self._buffers["packed_weight"] = self._packed = packed
-        for i, weight in enumerate(self._own_weights):
-            weight.data = packed[i]
-            if weight.grad is not None:
-                weight.grad = fn(weight.grad)
+        """Move/cast the buffer once and keep every expert Parameter a view of it. A replacement
+        still waiting to be packed (a `.data` swap, a Parameter on another device) goes through
+        `fn` into its slot of the new buffer. Nothing here refuses, so a model is never left
+        half-moved; to and from the meta device the expert Parameters are new objects with the
+        same attributes, as Module._apply makes them."""
+        own = self._own_weights
+        grads = [None if w.grad is None else fn(w.grad) for w in own]
+        target, stale = self._pack_target(self._stale())
+        misfits = [i for i in stale if own[i].shape != self._packed.shape[1:]]
+        for i in misfits:  # carried as they are; the next forward refuses them by name
+            own[i].data = fn(own[i].data)
+        self._pack(fn(target), [i for i in stale if i not in misfits], convert=fn)
+        for weight, grad in zip(self._own_weights, grads):
+            weight.grad = grad
         return self
 
     def get_extra_state(self):
@@ -210,6 +260,14 @@ class TorchGroupedLinear(torch.nn.Module):
         them); like TE, fold them into the single `_extra_state`."""
         for i in range(1, self.num_experts):
             state_dict.pop(f"{prefix}_extra_state{i}", None)
+
+    def _copy_views_of_the_buffer(self, state_dict, prefix, *args):
+        """A state dict holding this module's own views (`state_dict()` permuted to reorder
+        experts) is read before any slot is written: those entries are copied first."""
+        for name in self._weight_names:
+            value = state_dict.get(prefix + name)
+            if isinstance(value, torch.Tensor) and _shares_memory(value, self._packed):
+                state_dict[prefix + name] = value.clone()
 
     def forward(self, x: torch.Tensor, tokens_per_expert: Splits):
         weight, offs = self.weight_and_offsets(x, tokens_per_expert)
