@@ -363,6 +363,16 @@ def choose_expert_kernel(config: TransformerConfig) -> str:
     return "fused_gemm" if reason is None and measured_faster else "grouped_mm"
 
 
+def _has_hooks(module: torch.nn.Module) -> bool:
+    """Whether calling `module` runs hooks: its own forward or backward hooks, or global module
+    hooks (`torch.nn.modules.module.register_module_*_hook`)."""
+    hooks = torch.nn.modules.module
+    return any((module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+                module._backward_pre_hooks, hooks._global_forward_hooks,
+                hooks._global_forward_pre_hooks, hooks._global_backward_hooks,
+                hooks._global_backward_pre_hooks))
+
+
 def _fused_activation_available(config: TransformerConfig) -> bool:
     try:
         from .activation_triton import covers
@@ -465,8 +475,7 @@ class TorchGroupedMLP(MegatronModule):
             return False
         forced = self.expert_kernel_setting == "fused_gemm"
         linears = (self.linear_fc1, self.linear_fc2)
-        plain = all(type(m) is TorchGroupedLinear and not (m._forward_hooks or m._forward_pre_hooks)
-                    for m in linears)
+        plain = all(type(m) is TorchGroupedLinear and not _has_hooks(m) for m in linears)
         if not plain:
             if forced:
                 raise RuntimeError(
