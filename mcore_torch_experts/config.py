@@ -135,9 +135,10 @@ def _check_shapes(config: TransformerConfig, ep_size: int, etp_size: int) -> Non
 
 def _aligned_ffn_fix(ffn: int, etp_size: int) -> str:
     """The fix for a per-rank FFN width that is not a multiple of ALIGN_ELEMENTS: the largest
-    smaller expert_tensor_parallel_size that gives an aligned width, when there is one."""
+    smaller expert_tensor_parallel_size that gives an aligned width and divides the current one
+    (so the same ranks still form expert-TP groups), when there is one."""
     usable = [etp for etp in range(etp_size - 1, 0, -1)
-              if ffn % etp == 0 and (ffn // etp) % ALIGN_ELEMENTS == 0]
+              if etp_size % etp == 0 and ffn % etp == 0 and (ffn // etp) % ALIGN_ELEMENTS == 0]
     if usable:
         return (f"set expert_tensor_parallel_size={usable[0]} (per-rank width "
                 f"{ffn // usable[0]}).")

@@ -65,7 +65,7 @@ REFUSALS = [
      "divisible by expert_tensor_parallel_size=3. Choose an expert_tensor_parallel_size"),
     ("etp_local_width", dict(moe_ffn_hidden_size=48), dict(etp_size=4), "moe_ffn_hidden_size=48",
      "the per-rank width 48/4=12 must be a multiple of 8 (grouped GEMM needs 16-byte strides); "
-     "set expert_tensor_parallel_size=3 (per-rank width 16)."),
+     "set expert_tensor_parallel_size=2 (per-rank width 24)."),
     ("ffn_alignment_at_etp1", dict(moe_ffn_hidden_size=44), {}, "moe_ffn_hidden_size=44",
      "the per-rank width 44/1=44 must be a multiple of 8 (grouped GEMM needs 16-byte strides); "
      "44 is not a multiple of 8, so no expert_tensor_parallel_size gives one. Choose a "
@@ -165,3 +165,16 @@ def test_plain_transformer_config_is_validated_when_torch_grouped_mlp_is_built(m
     # Through the spec, as MoELayer builds it: build_module keeps the exception type.
     with pytest.raises(TorchExpertsConfigError, match="add_bias_linear=True"):
         torch_experts_spec()(4, config, pg_collection=megatron_cpu)
+
+
+@pytest.mark.parametrize("ffn, etp, proposed", [(40, 8, 1), (96, 16, 4), (48, 4, 2), (80, 4, 2)])
+def test_ffn_alignment_fix_proposes_a_divisor_of_the_current_expert_tp_size(ffn, etp, proposed):
+    """The expert-TP size proposed for an unaligned per-rank FFN width divides the current one,
+    so the same ranks still split into expert-TP groups (expert data parallelism grows)."""
+    config = valid_config()
+    config.moe_ffn_hidden_size = ffn
+    with pytest.raises(TorchExpertsConfigError) as refusal:
+        validate_torch_experts_config(config, etp_size=etp)
+    assert (f"set expert_tensor_parallel_size={proposed} (per-rank width {ffn // proposed})."
+            in str(refusal.value))
+    assert etp % proposed == 0
