@@ -19,8 +19,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import sharded_state_dict_default
 
 from . import _compat
-from .config import EXPERT_KERNELS, TorchExpertsConfigError, validate_torch_experts_config
+from .config import validate_torch_experts_config
 from .grouped_gemm import Splits, find_grouped_mm, frozen_grouped_linear, group_offsets
+from .kernel_choice import choose_expert_kernel, fused_activation_available, fused_gemm_obstacle
 
 TRAINABLE_BASE_ERROR = (
     "TorchGroupedMLP runs frozen expert weights only, but {name}.{param} requires grad. Freeze the "
@@ -323,64 +324,6 @@ class TorchGroupedLinear(torch.nn.Module):
                 f"grouped_mm={self.grouped_mm_name}")
 
 
-FUSED_GEMM_AUTO_CAPABILITIES = ((9, 0),)
-"""GPUs where "auto" picks the fused GEMM kernels, for non-gated activations only: there they
-measured faster than grouped_mm + the fused activation kernel on the H200; gated ones (SwiGLU)
-measured slower at every tiling tried (BENCHMARKS.md)."""
-
-
-def _fused_gemm_support(config: TransformerConfig) -> Optional[str]:
-    """None when the fused GEMM kernels compute this config, else why not."""
-    try:
-        from .fused_experts_triton import covers
-    except ImportError as exc:
-        return f"triton is not importable ({exc})"
-    if not covers(config):
-        return (f"they compute squared ReLU or SiLU (gated or not) with the probs applied after "
-                f"the activation; this config has activation_func={config.activation_func!r}, "
-                f"moe_apply_probs_on_input={config.moe_apply_probs_on_input}")
-    return None
-
-
-def choose_expert_kernel(config: TransformerConfig) -> str:
-    """Resolve `moe_expert_kernel` ("auto" when the config has no such field) to "fused_gemm"
-    or "grouped_mm"; a forced "fused_gemm" that cannot run is an error."""
-    setting = getattr(config, "moe_expert_kernel", "auto")
-    if setting not in EXPERT_KERNELS:
-        raise TorchExpertsConfigError(f"moe_expert_kernel={setting!r} is not a kernel choice: "
-                                      f"set it to one of {EXPERT_KERNELS}.")
-    if setting == "grouped_mm":
-        return setting
-    reason = _fused_gemm_support(config)
-    if setting == "fused_gemm":
-        if reason is not None:
-            raise ValueError(f"moe_expert_kernel='fused_gemm' cannot run: {reason}. Set "
-                             "moe_expert_kernel='grouped_mm' or 'auto'.")
-        return setting
-    on_measured_gpu = (torch.cuda.is_available()
-                       and torch.cuda.get_device_capability() in FUSED_GEMM_AUTO_CAPABILITIES)
-    measured_faster = on_measured_gpu and not config.gated_linear_unit
-    return "fused_gemm" if reason is None and measured_faster else "grouped_mm"
-
-
-def _has_hooks(module: torch.nn.Module) -> bool:
-    """Whether calling `module` runs hooks: its own forward or backward hooks, or global module
-    hooks (`torch.nn.modules.module.register_module_*_hook`)."""
-    hooks = torch.nn.modules.module
-    return any((module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
-                module._backward_pre_hooks, hooks._global_forward_hooks,
-                hooks._global_forward_pre_hooks, hooks._global_backward_hooks,
-                hooks._global_backward_pre_hooks))
-
-
-def _fused_activation_available(config: TransformerConfig) -> bool:
-    try:
-        from .activation_triton import covers
-    except ImportError:  # no triton
-        return False
-    return covers(config)
-
-
 class TorchGroupedMLP(MegatronModule):
     """Drop-in experts module: fc1 grouped GEMM, activation x probs (FP32), fc2 grouped GEMM.
 
@@ -418,7 +361,7 @@ class TorchGroupedMLP(MegatronModule):
         from .bridge import register_if_bridge_loaded
 
         register_if_bridge_loaded()  # Bridge's PEFT, when this process uses it, must know us
-        self.activation_impl = "fused" if _fused_activation_available(config) else "eager"
+        self.activation_impl = "fused" if fused_activation_available(config) else "eager"
         """"fused": activation x probs in one Triton kernel on CUDA tensors; "eager": torch ops
         (always on the CPU; on CUDA when triton is missing or the activation is not covered)."""
         self.expert_kernel_setting = getattr(config, "moe_expert_kernel", "auto")
@@ -468,31 +411,15 @@ class TorchGroupedMLP(MegatronModule):
         return out, None
 
     def _runs_fused_gemm(self, hidden: torch.Tensor) -> bool:
-        """Whether this call takes the fused GEMM path. It calls the packed weights directly, so
-        it needs linear_fc1/linear_fc2 unwrapped (no adapters) and without hooks; a forced
-        "fused_gemm" that cannot run raises."""
+        """Whether this call takes the fused GEMM path (kernel_choice.fused_gemm_obstacle); a
+        forced "fused_gemm" that cannot run raises."""
         if self.expert_kernel_impl != "fused_gemm":
             return False
-        forced = self.expert_kernel_setting == "fused_gemm"
-        linears = (self.linear_fc1, self.linear_fc2)
-        plain = all(type(m) is TorchGroupedLinear and not _has_hooks(m) for m in linears)
-        if not plain:
-            if forced:
-                raise RuntimeError(
-                    "moe_expert_kernel='fused_gemm' runs the packed expert weights directly, but "
-                    "linear_fc1/linear_fc2 carry adapters or hooks that it would skip; set "
-                    "moe_expert_kernel='grouped_mm' or 'auto' for adapters on the experts.")
-            return False
-        from .fused_experts_triton import INTERPRETER
-
-        if not hidden.is_cuda and not INTERPRETER:
-            if forced:
-                raise RuntimeError(
-                    f"moe_expert_kernel='fused_gemm' runs Triton kernels on CUDA tensors; the "
-                    f"input is on {hidden.device}. Move the module to CUDA or set "
-                    "moe_expert_kernel='grouped_mm' or 'auto'.")
-            return False
-        return True
+        obstacle = fused_gemm_obstacle((self.linear_fc1, self.linear_fc2), TorchGroupedLinear,
+                                       hidden)
+        if obstacle is not None and self.expert_kernel_setting == "fused_gemm":
+            raise RuntimeError(obstacle)
+        return obstacle is None
 
     def backward_dw(self):
         """Nothing to do: the expert weights are frozen."""

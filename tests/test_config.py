@@ -178,3 +178,27 @@ def test_ffn_alignment_fix_proposes_a_divisor_of_the_current_expert_tp_size(ffn,
     assert (f"set expert_tensor_parallel_size={proposed} (per-rank width {ffn // proposed})."
             in str(refusal.value))
     assert etp % proposed == 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "transformer_engine"])
+def test_forced_fused_gemm_for_an_activation_it_does_not_compute_is_refused_at_config_build(
+        backend):
+    """"fused_gemm" with GELU: a TorchExpertsConfigError naming the setting and the fix when the
+    config is built, not a plain error when the module is."""
+    pytest.importorskip("triton")
+    import torch.nn.functional as F
+
+    with pytest.raises(TorchExpertsConfigError,
+                       match=r"moe_expert_kernel='fused_gemm' cannot run: .*activation_func="
+                             r".*gelu.*Set moe_expert_kernel='grouped_mm' or 'auto'"):
+        TorchExpertsTransformerConfig(**VALID, moe_expert_gemm_backend=backend,
+                                      moe_expert_kernel="fused_gemm", activation_func=F.gelu,
+                                      gated_linear_unit=False)
+
+
+def test_forced_fused_gemm_on_a_plain_config_is_refused_when_the_module_is_built(megatron_cpu):
+    pytest.importorskip("triton")
+    config = make_config(activation="gelu", glu=False)
+    config.moe_expert_kernel = "fused_gemm"
+    with pytest.raises(TorchExpertsConfigError, match="moe_expert_kernel='fused_gemm' cannot run"):
+        TorchGroupedMLP(config.num_moe_experts, config, pg_collection=megatron_cpu)

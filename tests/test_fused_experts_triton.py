@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mcore_torch_experts import TorchGroupedMLP
-from mcore_torch_experts.experts import choose_expert_kernel
+from mcore_torch_experts.kernel_choice import choose_expert_kernel
 from reference import make_config as _make_config
 
 
