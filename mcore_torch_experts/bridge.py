@@ -25,7 +25,7 @@ from typing import List
 
 import torch
 
-from . import _compat
+from . import _compat, experts
 from .experts import TorchGroupedLinear
 
 _ORIGINAL = "__torch_experts_original__"
@@ -62,6 +62,9 @@ def register_if_bridge_loaded() -> None:
     """Register when the process has already imported Bridge's PEFT (never imports it)."""
     if "megatron.bridge.peft.utils" in sys.modules:
         register_with_megatron_bridge()
+
+
+experts.ON_BUILD.append(register_if_bridge_loaded)  # Bridge's PEFT, when used, must know us
 
 
 def adapter_attributes(module: TorchGroupedLinear, utils):
