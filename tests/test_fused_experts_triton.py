@@ -173,20 +173,21 @@ def test_forced_fused_gemm_refuses_linears_with_hooks(megatron_cpu, hook):
         handle.remove()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernels run on CUDA")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the fused kernels run on CUDA"))])
 @pytest.mark.parametrize("hook", list(HOOKS))
-def test_auto_calls_every_hook_of_the_linears(megatron_cpu, hook):
-    """Under "auto" (fused_gemm on sm90 for squared ReLU) a linear with hooks takes grouped_mm,
-    where the hooks run."""
+def test_auto_calls_every_hook_of_the_linears(megatron_cpu, hook, device):
+    """Under "auto" (fused_gemm on sm90 for squared ReLU, grouped_mm on the CPU) a linear with
+    hooks takes grouped_mm, where the hooks run."""
     config = make_config(activation="squared_relu", glu=False, moe_expert_kernel="auto")
-    experts = TorchGroupedMLP(config.num_moe_experts, config, pg_collection=megatron_cpu).cuda()
-    experts.requires_grad_(False)
+    experts = TorchGroupedMLP(config.num_moe_experts, config, pg_collection=megatron_cpu)
+    experts.to(device).requires_grad_(False)
     calls = []
     handle = HOOKS[hook](experts.linear_fc1, calls)
-    x = torch.randn(8, config.hidden_size, device="cuda").bfloat16().requires_grad_(True)
+    x = torch.randn(8, config.hidden_size, device=device).bfloat16().requires_grad_(True)
     try:
-        out, _ = experts(x, [2, 2, 2, 2], torch.rand(8, device="cuda"))
+        out, _ = experts(x, [2, 2, 2, 2], torch.rand(8, device=device))
         out.float().sum().backward()
     finally:
         handle.remove()
-    assert calls
+    assert calls and x.grad is not None
