@@ -12,6 +12,9 @@ it, and wraps two more entry points, both unchanged for every other module type:
   first (`check_bridge_peft`), so a module Bridge cannot wrap is an error before any parameter
   is frozen or any module replaced.
 
+Importing this module (the package does) adds `register_if_bridge_loaded` to
+`experts.ON_BUILD`, so experts built in a process that imported Bridge's PEFT register at once.
+
 Adapter layouts on a TorchGroupedLinear are Bridge's own: `share_expert_adapters=True`
 (ParallelLinearAdapter, one pair per grouped module), `False` (GroupedExpertLinearAdapter, one
 pair per local expert, read from `num_gemms`), `experts_shared_outer_loras=True`
