@@ -304,14 +304,19 @@ def test_data_replacement_survives_a_cast_or_move_before_the_next_forward(
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device")
 @pytest.mark.parametrize("cast", ["cuda", "float"])
-def test_new_parameter_waiting_on_another_device_survives_a_cast_or_move(megatron_cpu, cast):
-    """A new Parameter on CUDA for a CPU module waits for the next forward; `.cuda()` or
-    `.float()` before it keeps its values."""
+@pytest.mark.parametrize("how", ["new_parameter_on_cuda", "data"])
+def test_replacement_waiting_survives_a_move_to_cuda(megatron_cpu, how, cast):
+    """A new Parameter on CUDA for a CPU module, or a `.data` swap, waits for the next forward;
+    `.cuda()` (the "p.data = t, then model.cuda()" loading pattern) or `.float()` before it
+    keeps its values."""
     config, experts = build(megatron_cpu, torch.bfloat16)
     fc1, fc2 = weights(experts)
     linear = experts.linear_fc1
     new = (torch.randn(2 * FFN, HIDDEN) * 0.1).bfloat16()
-    linear.weight3 = torch.nn.Parameter(new.cuda(), requires_grad=False)
+    if how == "data":
+        linear.weight3.data = new.clone()
+    else:
+        linear.weight3 = torch.nn.Parameter(new.cuda(), requires_grad=False)
 
     experts.cuda() if cast == "cuda" else experts.float()
 
