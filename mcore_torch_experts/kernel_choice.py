@@ -62,7 +62,7 @@ def fused_gemm_obstacle(linears: Sequence[torch.nn.Module], linear_type: type,
     if any(type(m) is not linear_type or has_hooks(m) for m in linears):
         return ("moe_expert_kernel='fused_gemm' runs the packed expert weights directly, but "
                 "linear_fc1/linear_fc2 carry adapters or hooks that it would skip; set "
-                "moe_expert_kernel='grouped_mm' or 'auto' for adapters on the experts.")
+                "moe_expert_kernel='grouped_mm' or 'auto' for adapters or hooks on the experts.")
     from .fused_experts_triton import INTERPRETER
 
     if not hidden.is_cuda and not INTERPRETER:
