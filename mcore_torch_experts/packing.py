@@ -198,8 +198,11 @@ class PackedExpertWeights(torch.nn.Module):
 
     def _copy_views_of_the_buffer(self, state_dict, prefix, *args):
         """A state dict holding this module's own views (`state_dict()` permuted to reorder
-        experts) is read before any slot is written: those entries are copied first."""
-        for name in self._weight_names:
+        experts) is read before any slot is written: the entries that lie in the buffer, other
+        than a weight's own slot, are copied first."""
+        for i, name in enumerate(self._weight_names):
             value = state_dict.get(prefix + name)
-            if isinstance(value, torch.Tensor) and _shares_memory(value, self._packed):
+            if (isinstance(value, torch.Tensor) and _shares_memory(value, self._packed)
+                    and not (self._views_slot(i, value)
+                             and value.stride() == self._packed.stride()[1:])):
                 state_dict[prefix + name] = value.clone()

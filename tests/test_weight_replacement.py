@@ -371,3 +371,20 @@ def test_replacement_of_the_wrong_shape_is_carried_through_a_move_and_refused_at
     with pytest.raises(ValueError, match=r"linear_fc2\.weight1 has shape \[3, 3\], expected "
                                          r"\[32, 48\]"):
         experts(x, SPLITS, probs)
+
+
+@pytest.mark.parametrize("assign", [True, False], ids=["assign", "copy"])
+def test_load_state_dict_of_its_own_state_keeps_the_module(megatron_cpu, assign):
+    """Each weight's own view loaded back (each entry lies in its own slot, so none is copied
+    first): the same buffers, each weight a view of its slot, the values unchanged."""
+    config, experts = build(megatron_cpu)
+    fc1, fc2 = weights(experts)
+    linears = (experts.linear_fc1, experts.linear_fc2)
+    buffers = [linear.packed_weight for linear in linears]
+
+    experts.load_state_dict(experts.state_dict(), assign=assign)
+
+    assert all(linear.packed_weight is buffer for linear, buffer in zip(linears, buffers))
+    assert_views_its_buffer(experts)
+    assert torch.equal(experts.linear_fc1.packed_weight, fc1)
+    assert torch.equal(experts.linear_fc2.packed_weight, fc2)
