@@ -12,6 +12,9 @@ it, and wraps two more entry points, both unchanged for every other module type:
   first (`check_bridge_peft`), so a module Bridge cannot wrap is an error before any parameter
   is frozen or any module replaced.
 
+Importing this module (the package does) adds `register_if_bridge_loaded` to
+`experts.ON_BUILD`, so experts built in a process that imported Bridge's PEFT register at once.
+
 Adapter layouts on a TorchGroupedLinear are Bridge's own: `share_expert_adapters=True`
 (ParallelLinearAdapter, one pair per grouped module), `False` (GroupedExpertLinearAdapter, one
 pair per local expert, read from `num_gemms`), `experts_shared_outer_loras=True`
@@ -25,7 +28,7 @@ from typing import List
 
 import torch
 
-from . import _compat
+from . import _compat, experts
 from .experts import TorchGroupedLinear
 
 _ORIGINAL = "__torch_experts_original__"
@@ -62,6 +65,9 @@ def register_if_bridge_loaded() -> None:
     """Register when the process has already imported Bridge's PEFT (never imports it)."""
     if "megatron.bridge.peft.utils" in sys.modules:
         register_with_megatron_bridge()
+
+
+experts.ON_BUILD.append(register_if_bridge_loaded)  # Bridge's PEFT, when used, must know us
 
 
 def adapter_attributes(module: TorchGroupedLinear, utils):
@@ -146,8 +152,22 @@ def _refusal(peft, module, utils):
     return None
 
 
+def _rank_refusal(peft, module, full_name, utils):
+    """Bridge's own objection to the LoRA rank `peft` would give `module` (a
+    `normalize_moe_lora` rank not divisible by the router's top-k), or None."""
+    try:
+        utils.get_effective_lora_dim(module, dim=peft.dim,
+                                     normalize_moe_lora=getattr(peft, "normalize_moe_lora", False),
+                                     is_expert=utils.is_expert_linear(full_name))
+    except ValueError as exc:
+        return (f"{exc}; choose a dim divisible by moe_router_topk, or "
+                "normalize_moe_lora=False")
+    return None
+
+
 def check_bridge_peft(peft, model) -> None:
-    """Raise before `peft(model)` changes anything if a module it would wrap cannot be wrapped.
+    """Raise before `peft(model)` changes anything if a module it would wrap cannot be wrapped
+    (NotImplementedError) or would get a rank Bridge refuses (ValueError).
 
     Checks Bridge's LoRA, CanonicalLoRA and DoRA (and subclasses keeping their `transform`): it
     walks `model` (a module or a list of model chunks) with the PEFT's own matching. Other PEFT
@@ -162,14 +182,19 @@ def check_bridge_peft(peft, model) -> None:
 
     if type(peft).transform not in (LoRA.transform, CanonicalLoRA.transform, DoRA.transform):
         return
-    refused = []
+    refused, bad_ranks = [], []
 
     def visit(module, name, prefix):
         if isinstance(module, (AdapterWrapper, LinearAdapter)):
             return
         found = peft.match(module, name, prefix)
-        if found is not None and (reason := _refusal(peft, module, utils)) is not None:
+        if found is None:
+            return
+        if (reason := _refusal(peft, module, utils)) is not None:
             refused.append(f"{found[1]} ({type(module).__name__}): {reason}")
+        elif (not isinstance(module, torch.nn.Linear) and not isinstance(peft, DoRA)
+              and (reason := _rank_refusal(peft, module, found[1], utils)) is not None):
+            bad_ranks.append(f"{found[1]} ({type(module).__name__}): {reason}")
 
     chunks = model if isinstance(model, list) else [model]
     peft._init_target_match_state()
@@ -184,6 +209,10 @@ def check_bridge_peft(peft, model) -> None:
             "the model was not changed:\n  " + "\n  ".join(refused)
             + "\nLeave them out of target_modules (or add them to exclude_modules), e.g. "
             "target_modules=['linear_qkv', 'linear_proj'] for attention only.")
+    if bad_ranks:
+        raise ValueError(
+            f"Megatron-Bridge {type(peft).__name__} would refuse the rank of {len(bad_ranks)} "
+            "matched module(s); the model was not changed:\n  " + "\n  ".join(bad_ranks))
 
 
 def _expert_factors(adapter, num_experts: int):
@@ -205,7 +234,8 @@ def merge_bridge_lora(model) -> List[str]:
 
     `model` is a module or a list of model chunks. The packed buffer is written in place, so every
     `weightN` stays a view of it. Refused, before anything changes, for expert tensor parallelism
-    above 1 and for adapters that are not plain LoRA (a non-identity activation).
+    above 1, for adapters that are not plain LoRA (a non-identity activation) and for a wrapper
+    passed as `model` (or as a chunk) itself.
     """
     from megatron.bridge.peft.lora_layers import LoRALinear
     from megatron.bridge.peft.lora_merge import LoRAMerge
@@ -213,6 +243,12 @@ def merge_bridge_lora(model) -> List[str]:
     chunks = model if isinstance(model, list) else [model]
     found = [(chunk, name, m) for chunk in chunks for name, m in chunk.named_modules()
              if isinstance(m, LoRALinear) and isinstance(m.to_wrap, TorchGroupedLinear)]
+    for _, name, wrapper in found:
+        if not name:
+            raise ValueError(
+                f"merge_bridge_lora: the model passed in is itself a LoRA wrapper (of "
+                f"{wrapper.to_wrap.name}), which cannot be replaced by its base where the caller "
+                "holds it; nothing was merged: pass the module that holds it, or the whole model.")
     merged = []
     for _, name, wrapper in found:
         base, adapter = wrapper.to_wrap, wrapper.adapter

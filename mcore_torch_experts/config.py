@@ -163,9 +163,10 @@ def _check_shapes(config: TransformerConfig, ep_size: int, etp_size: int) -> Non
 
 def _aligned_ffn_fix(ffn: int, etp_size: int) -> str:
     """The fix for a per-rank FFN width that is not a multiple of ALIGN_ELEMENTS: the largest
-    smaller expert_tensor_parallel_size that gives an aligned width, when there is one."""
+    smaller expert_tensor_parallel_size that gives an aligned width and divides the current one
+    (so the same ranks still form expert-TP groups), when there is one."""
     usable = [etp for etp in range(etp_size - 1, 0, -1)
-              if ffn % etp == 0 and (ffn // etp) % ALIGN_ELEMENTS == 0]
+              if etp_size % etp == 0 and ffn % etp == 0 and (ffn // etp) % ALIGN_ELEMENTS == 0]
     if usable:
         return (f"set expert_tensor_parallel_size={usable[0]} (per-rank width "
                 f"{ffn // usable[0]}).")
@@ -190,6 +191,32 @@ def validate_torch_experts_config(config: TransformerConfig, ep_size: Optional[i
     ep = ep_size if ep_size is not None else config.expert_model_parallel_size
     etp = etp_size if etp_size is not None else (config.expert_tensor_parallel_size or 1)
     _check_shapes(config, ep, etp)
+
+
+def fused_gemm_unsupported(config: TransformerConfig) -> Optional[str]:
+    """None when the fused GEMM kernels compute this config, else why not."""
+    try:
+        from .fused_experts_triton import covers
+    except ImportError as exc:
+        return f"triton is not importable ({exc})"
+    if not covers(config):
+        return (f"they compute squared ReLU or SiLU (gated or not) with the probs applied after "
+                f"the activation; this config has activation_func={config.activation_func!r}, "
+                f"moe_apply_probs_on_input={config.moe_apply_probs_on_input}")
+    return None
+
+
+def check_expert_kernel(config: TransformerConfig) -> None:
+    """Refuse a `moe_expert_kernel` (absent reads "auto") that is not a kernel choice, or a
+    forced "fused_gemm" the fused kernels cannot compute, with a TorchExpertsConfigError. Runs
+    when a TorchExpertsTransformerConfig is built and when TorchGroupedMLP resolves its kernel."""
+    setting = getattr(config, "moe_expert_kernel", "auto")
+    if setting not in EXPERT_KERNELS:
+        raise TorchExpertsConfigError(f"moe_expert_kernel={setting!r} is not a kernel choice: "
+                                      f"set it to one of {EXPERT_KERNELS}.")
+    if setting == "fused_gemm" and (reason := fused_gemm_unsupported(config)) is not None:
+        raise TorchExpertsConfigError(f"moe_expert_kernel='fused_gemm' cannot run: {reason}. "
+                                      "Set moe_expert_kernel='grouped_mm' or 'auto'.")
 
 
 COMBINE_DISPATCHERS = ("allgather", "alltoall")
@@ -253,9 +280,6 @@ class TorchExpertsTransformerConfig(TransformerConfig):
         super().__post_init__()
         if self.moe_expert_gemm_backend == "torch":
             validate_torch_experts_config(self)
-        if self.moe_expert_kernel not in EXPERT_KERNELS:
-            raise TorchExpertsConfigError(
-                f"moe_expert_kernel={self.moe_expert_kernel!r} is not a kernel choice: set it to "
-                f"one of {EXPERT_KERNELS}.")
+        check_expert_kernel(self)
         if self.moe_combine_in_fp32:
             validate_fp32_combine_config(self)

@@ -5,7 +5,7 @@ Each projection keeps its E expert weights in one contiguous, non-persistent buf
 and state-dict keys are those of TEGroupedMLP and nothing new is checkpointed.
 """
 
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
@@ -19,19 +19,18 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import sharded_state_dict_default
 
 from . import _compat
-from .config import EXPERT_KERNELS, TorchExpertsConfigError, validate_torch_experts_config
+from .config import validate_torch_experts_config
 from .grouped_gemm import Splits, find_grouped_mm, frozen_grouped_linear, group_offsets
+from .kernel_choice import choose_expert_kernel, fused_activation_available, fused_gemm_obstacle
+from .packing import PackedExpertWeights
 
-TRAINABLE_BASE_ERROR = (
-    "TorchGroupedMLP runs frozen expert weights only, but {name}.{param} requires grad. Freeze the "
-    "expert base before training (for example `p.requires_grad_(False)` for every "
-    "`*.experts.linear_fc*.weight*`, as PEFT/LoRA does) or set "
-    "moe_expert_gemm_backend='transformer_engine' to train the expert weights."
-)
+ON_BUILD: List[Callable[[], None]] = []
+"""Called, without arguments, whenever a TorchGroupedMLP is built: integrations that must know
+the experts before they are used add themselves here."""
 
 
-class TorchGroupedLinear(torch.nn.Module):
-    """E frozen, bias-free expert linears packed in one buffer.
+class TorchGroupedLinear(PackedExpertWeights):
+    """E frozen, bias-free expert linears packed in one buffer (packing.py).
 
     forward(x [T, in], tokens_per_expert [E]) -> (y [T, out], None): the call contract of
     Megatron's grouped linears, so adapter wrappers (`base(x, *args)`) work unchanged.
@@ -42,17 +41,19 @@ class TorchGroupedLinear(torch.nn.Module):
     def __init__(self, num_experts: int, input_size: int, output_size: int, *,
                  config: TransformerConfig, init_method, parallel_mode: str, stride: int,
                  pg_collection, name: str):
-        super().__init__()
-        self.config = config
-        self.num_experts = self.num_gemms = num_experts
-        self.parallel_mode = parallel_mode
-        self.name = name
-        self._pg_collection = pg_collection
         tp_size = _compat.group_size(pg_collection.expt_tp)
         if parallel_mode == "column":
             local_out, local_in, partition_dim = output_size // tp_size, input_size, 0
         else:
             local_out, local_in, partition_dim = output_size, input_size // tp_size, 1
+        device = torch.device("cpu") if config.use_cpu_initialization else torch.device(
+            "cuda", torch.cuda.current_device())
+        super().__init__(num_experts, local_out, local_in, dtype=config.params_dtype,
+                         device=device, name=name)
+        self.config = config
+        self.num_gemms = num_experts
+        self.parallel_mode = parallel_mode
+        self._pg_collection = pg_collection
         self.in_features, self.out_features = local_in, local_out
         # The weights' tensor-parallel attributes, on the module too: weight converters that
         # classify a module by them (Megatron-Bridge's AutoMapping) see fc1 as column-parallel
@@ -61,28 +62,11 @@ class TorchGroupedLinear(torch.nn.Module):
         self.partition_dim = partition_dim
         entry = find_grouped_mm()
         self.grouped_mm_name, self._grouped_mm = entry.name, entry.fn
-
-        device = torch.device("cpu") if config.use_cpu_initialization else torch.device(
-            "cuda", torch.cuda.current_device())
-        packed = torch.empty(num_experts, local_out, local_in, dtype=config.params_dtype,
-                             device=device)
-        self.register_buffer("packed_weight", packed, persistent=False)
-        self._packed = packed
-        """The module's own buffer: what `packed_weight` holds, except while
-        torch.func.functional_call substitutes a tensor for it (ignored: the weights count)."""
         self._register_load_state_dict_pre_hook(self._drop_per_expert_extra_states)
         expert_parallel = config.expert_model_parallel_size > 1
-        self._weight_names = [f"weight{i}" for i in range(num_experts)]
-        self._weight_index = {name: i for i, name in enumerate(self._weight_names)}
-        self._own_weights: List[torch.nn.Parameter] = [None] * num_experts
-        """The Parameter registered as each `weightN` (at construction or by a replacement);
-        a tensor put in `_parameters` without registering (torch.func.functional_call) is a
-        substitute for one call."""
-        for i in range(num_experts):
-            weight = torch.nn.Parameter(packed[i])
+        for weight in self.expert_weights():
             set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
             weight.allreduce = not expert_parallel
-            self.register_parameter(f"weight{i}", weight)
             if config.perform_initialization:
                 self._initialize(weight, init_method, output_size, input_size, partition_dim,
                                  stride, tp_size)
@@ -99,104 +83,6 @@ class TorchGroupedLinear(torch.nn.Module):
         else:
             with _compat.expert_rng_fork():
                 init_method(weight.data)
-
-    def expert_weights(self) -> List[torch.Tensor]:
-        """The tensors now held as `weight0 .. weight{E-1}` (substitutes during a
-        torch.func.functional_call)."""
-        return [self._parameters[name] for name in self._weight_names]
-
-    def register_parameter(self, name: str, param: Optional[torch.nn.Parameter]) -> None:
-        """Registering `weightN` (`linear.weightN = Parameter(...)`, `load_state_dict(...,
-        assign=True)`) replaces that expert for good: its values are cast into its slot of the
-        buffer (at once when it is on the buffer's device, else at the next forward) and the
-        Parameter becomes a view of it. The other experts are untouched; a shape mismatch is
-        refused before anything changes."""
-        index = self.__dict__.get("_weight_index", {}).get(name)
-        if index is None:
-            return super().register_parameter(name, param)
-        expected = list(self._packed.shape[1:])
-        if param is None or list(param.shape) != expected:
-            got = None if param is None else list(param.shape)
-            raise ValueError(f"{self.name}.{name}: a replacement must be a Parameter of shape "
-                             f"{expected} (it is cast into the packed weight), got {got}")
-        super().register_parameter(name, param)
-        self._own_weights[index] = param
-        if param.device == self._packed.device and not self._views_slot(index, param):
-            self._repack([index])
-
-    def _views_slot(self, index: int, weight: torch.Tensor) -> bool:
-        """Whether `weight` is slot `index` of the buffer (address arithmetic: this runs for
-        every expert of every forward, and indexing the buffer would make a tensor each time)."""
-        packed = self._packed
-        slot = packed.data_ptr() + index * packed.stride(0) * packed.element_size()
-        return (weight.dtype == packed.dtype and weight.device == packed.device
-                and weight.data_ptr() == slot)
-
-    def packed(self, refuse_trainable: bool = False) -> torch.Tensor:
-        """The packed weight [E, out, in] for this call, with one walk over the experts.
-
-        A registered `weightN` that no longer views its slot (`.data` swapped) is repacked for
-        good. A substitute (torch.func.functional_call) is used for this call only: the weights
-        are stacked into a temporary [E, out, in], and neither the buffer nor the substitute is
-        written; a tensor substituted for `packed_weight` itself is neither used nor written.
-        With `refuse_trainable`, a `weightN` that requires grad is an error.
-        """
-        stale, substituted = [], False
-        for i, w in enumerate(self.expert_weights()):
-            if refuse_trainable and w.requires_grad:
-                raise RuntimeError(TRAINABLE_BASE_ERROR.format(name=self.name, param=f"weight{i}"))
-            if w is not self._own_weights[i]:
-                substituted = True
-            elif not self._views_slot(i, w):
-                stale.append(i)
-        if stale:
-            self._repack(stale)
-        if substituted or self._buffers["packed_weight"] is not self._packed:
-            return self._substituted_weight()
-        return self._packed
-
-    def _substituted_weight(self) -> torch.Tensor:
-        """[E, out, in]: the weights held now, in the buffer's dtype and device."""
-        packed = self._packed
-        weights = self.expert_weights()
-        for i, w in enumerate(weights):
-            if w.shape != packed.shape[1:]:
-                raise ValueError(f"{self.name}.weight{i}: the substitute has shape "
-                                 f"{list(w.shape)}, expected {list(packed.shape[1:])}")
-        return torch.stack([w.to(dtype=packed.dtype, device=packed.device) for w in weights])
-
-    def _repack(self, stale: List[int]) -> None:
-        """Copy the registered weights `stale` (cast to the buffer's dtype) into their slots and
-        make them views again. When every weight sits on one other device (moved one by one) the
-        buffer follows them there. The buffer is never an inference tensor, whatever mode this
-        runs in."""
-        own = self._own_weights
-        expected = self._packed.shape[1:]
-        for i in stale:
-            if own[i].shape != expected:
-                raise ValueError(f"{self.name}.weight{i} has shape {list(own[i].shape)}, "
-                                 f"expected {list(expected)}")
-        devices = {w.device for w in own}
-        with torch.no_grad(), torch.inference_mode(False):
-            packed = self._packed
-            if len(devices) == 1 and packed.device not in devices:
-                packed = torch.empty_like(packed, device=devices.pop())
-                stale = range(self.num_experts)
-            for i in stale:
-                packed[i].copy_(own[i])
-            self._buffers["packed_weight"] = self._packed = packed
-            for i in stale:
-                own[i].data = packed[i]
-
-    def _apply(self, fn, recurse=True):
-        # Move/cast the buffer once and keep every expert Parameter a view of it.
-        packed = fn(self._packed)
-        self._buffers["packed_weight"] = self._packed = packed
-        for i, weight in enumerate(self._own_weights):
-            weight.data = packed[i]
-            if weight.grad is not None:
-                weight.grad = fn(weight.grad)
-        return self
 
     def get_extra_state(self):
         """Key parity with TE grouped linears (`<module>._extra_state`); nothing to store."""
@@ -265,54 +151,6 @@ class TorchGroupedLinear(torch.nn.Module):
                 f"grouped_mm={self.grouped_mm_name}")
 
 
-FUSED_GEMM_AUTO_CAPABILITIES = ((9, 0),)
-"""GPUs where "auto" picks the fused GEMM kernels, for non-gated activations only: there they
-measured faster than grouped_mm + the fused activation kernel on the H200; gated ones (SwiGLU)
-measured slower at every tiling tried (BENCHMARKS.md)."""
-
-
-def _fused_gemm_support(config: TransformerConfig) -> Optional[str]:
-    """None when the fused GEMM kernels compute this config, else why not."""
-    try:
-        from .fused_experts_triton import covers
-    except ImportError as exc:
-        return f"triton is not importable ({exc})"
-    if not covers(config):
-        return (f"they compute squared ReLU or SiLU (gated or not) with the probs applied after "
-                f"the activation; this config has activation_func={config.activation_func!r}, "
-                f"moe_apply_probs_on_input={config.moe_apply_probs_on_input}")
-    return None
-
-
-def choose_expert_kernel(config: TransformerConfig) -> str:
-    """Resolve `moe_expert_kernel` ("auto" when the config has no such field) to "fused_gemm"
-    or "grouped_mm"; a forced "fused_gemm" that cannot run is an error."""
-    setting = getattr(config, "moe_expert_kernel", "auto")
-    if setting not in EXPERT_KERNELS:
-        raise TorchExpertsConfigError(f"moe_expert_kernel={setting!r} is not a kernel choice: "
-                                      f"set it to one of {EXPERT_KERNELS}.")
-    if setting == "grouped_mm":
-        return setting
-    reason = _fused_gemm_support(config)
-    if setting == "fused_gemm":
-        if reason is not None:
-            raise ValueError(f"moe_expert_kernel='fused_gemm' cannot run: {reason}. Set "
-                             "moe_expert_kernel='grouped_mm' or 'auto'.")
-        return setting
-    on_measured_gpu = (torch.cuda.is_available()
-                       and torch.cuda.get_device_capability() in FUSED_GEMM_AUTO_CAPABILITIES)
-    measured_faster = on_measured_gpu and not config.gated_linear_unit
-    return "fused_gemm" if reason is None and measured_faster else "grouped_mm"
-
-
-def _fused_activation_available(config: TransformerConfig) -> bool:
-    try:
-        from .activation_triton import covers
-    except ImportError:  # no triton
-        return False
-    return covers(config)
-
-
 class TorchGroupedMLP(MegatronModule):
     """Drop-in experts module: fc1 grouped GEMM, activation x probs (FP32), fc2 grouped GEMM.
 
@@ -347,10 +185,9 @@ class TorchGroupedMLP(MegatronModule):
             config=config, init_method=config.output_layer_init_method, parallel_mode="row",
             stride=1, pg_collection=pg_collection, name=f"{prefix}linear_fc2")
         self.grouped_mm_name = self.linear_fc1.grouped_mm_name
-        from .bridge import register_if_bridge_loaded
-
-        register_if_bridge_loaded()  # Bridge's PEFT, when this process uses it, must know us
-        self.activation_impl = "fused" if _fused_activation_available(config) else "eager"
+        for hook in ON_BUILD:
+            hook()
+        self.activation_impl = "fused" if fused_activation_available(config) else "eager"
         """"fused": activation x probs in one Triton kernel on CUDA tensors; "eager": torch ops
         (always on the CPU; on CUDA when triton is missing or the activation is not covered)."""
         self.expert_kernel_setting = getattr(config, "moe_expert_kernel", "auto")
@@ -400,32 +237,15 @@ class TorchGroupedMLP(MegatronModule):
         return out, None
 
     def _runs_fused_gemm(self, hidden: torch.Tensor) -> bool:
-        """Whether this call takes the fused GEMM path. It calls the packed weights directly, so
-        it needs linear_fc1/linear_fc2 unwrapped (no adapters) and without hooks; a forced
-        "fused_gemm" that cannot run raises."""
+        """Whether this call takes the fused GEMM path (kernel_choice.fused_gemm_obstacle); a
+        forced "fused_gemm" that cannot run raises."""
         if self.expert_kernel_impl != "fused_gemm":
             return False
-        forced = self.expert_kernel_setting == "fused_gemm"
-        linears = (self.linear_fc1, self.linear_fc2)
-        plain = all(type(m) is TorchGroupedLinear and not (m._forward_hooks or m._forward_pre_hooks)
-                    for m in linears)
-        if not plain:
-            if forced:
-                raise RuntimeError(
-                    "moe_expert_kernel='fused_gemm' runs the packed expert weights directly, but "
-                    "linear_fc1/linear_fc2 carry adapters or hooks that it would skip; set "
-                    "moe_expert_kernel='grouped_mm' or 'auto' for adapters on the experts.")
-            return False
-        from .fused_experts_triton import INTERPRETER
-
-        if not hidden.is_cuda and not INTERPRETER:
-            if forced:
-                raise RuntimeError(
-                    f"moe_expert_kernel='fused_gemm' runs Triton kernels on CUDA tensors; the "
-                    f"input is on {hidden.device}. Move the module to CUDA or set "
-                    "moe_expert_kernel='grouped_mm' or 'auto'.")
-            return False
-        return True
+        obstacle = fused_gemm_obstacle((self.linear_fc1, self.linear_fc2), TorchGroupedLinear,
+                                       hidden)
+        if obstacle is not None and self.expert_kernel_setting == "fused_gemm":
+            raise RuntimeError(obstacle)
+        return obstacle is None
 
     def backward_dw(self):
         """Nothing to do: the expert weights are frozen."""

@@ -83,7 +83,8 @@ class FrozenGroupedLinearFunction(torch.autograd.Function):
         ctx.grouped_mm = grouped_mm
         if x.shape[0] == 0:
             return x.new_empty(0, weight.shape[1])
-        return grouped_mm(x, weight.transpose(1, 2), offs=offs)
+        # Grouped GEMM takes 16-byte strides only; any layout (column-major, say) is made so.
+        return grouped_mm(x.contiguous(), weight.transpose(1, 2), offs=offs)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):

@@ -437,3 +437,48 @@ def test_full_recompute_with_both_guards_trains_every_adapter(bridge, megatron_c
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 4 * 4 * 2
     assert all(grads[1][n].abs().sum() > 0 and rel_err(grads[1][n], grads[0][n]) < 1e-5
                for n in grads[0])
+
+
+@pytest.mark.parametrize("peft_class", ["LoRA", "CanonicalLoRA"])
+def test_normalized_rank_not_divisible_by_topk_is_refused_before_anything_changes(
+        bridge, megatron_cpu_training, peft_class):
+    """`normalize_moe_lora` divides the expert rank by the router's top-k; Bridge raises on the
+    first expert linear, after freezing the model and wrapping the attention. The pre-flight
+    check refuses first, naming the modules and Bridge's reason."""
+    model = gpt("torch")
+    state = {n: (p.requires_grad, p.detach().clone()) for n, p in model.named_parameters()}
+    modules = dict(model.named_modules())
+    kwargs = dict(target_modules=TARGETS) if peft_class == "LoRA" else {}
+    with pytest.raises(ValueError, match=r"not changed:\n.*experts\.linear_fc1 "
+                                         r"\(TorchGroupedLinear\): LoRA dim=15 must be divisible "
+                                         r"by moe_router_topk=2"):
+        bridge[peft_class](dim=15, normalize_moe_lora=True, **kwargs)(model)
+    assert dict(model.named_modules()) == modules
+    assert all(p.requires_grad == state[n][0] and torch.equal(p, state[n][1])
+               for n, p in model.named_parameters())
+    bridge[peft_class](dim=16, normalize_moe_lora=True, **kwargs)(model)  # divisible: wraps
+
+
+def test_merge_refuses_a_wrapper_passed_as_the_root_and_changes_nothing(bridge, megatron_cpu):
+    """A LoRA wrapper passed as `model` cannot be replaced by its base in the caller's hands: the
+    merge is refused with the weights as they were (not folded into a still-active adapter)."""
+    config = make_config(dtype=torch.float32, moe_ffn_hidden_size=48)
+    root = experts_holder(config, megatron_cpu)
+    bridge["LoRA"](target_modules=["linear_fc1", "linear_fc2"], dim=16, alpha=8)(root)
+    randomize_adapters(root)
+    wrapper = root.mlp.experts.linear_fc1
+    packed = wrapper.to_wrap.packed_weight.clone()
+    splits = torch.tensor(SPLITS["uniform"])
+    x, probs = torch.randn(int(splits.sum()), config.hidden_size), torch.rand(int(splits.sum()))
+    with torch.no_grad():
+        before, _ = root.mlp.experts(x, splits, probs)
+    for given in (wrapper, [wrapper]):
+        with pytest.raises(ValueError, match=r"merge_bridge_lora: the model passed in is itself a "
+                                             r"LoRA wrapper .*pass the module that holds it"):
+            merge_bridge_lora(given)
+        assert torch.equal(wrapper.to_wrap.packed_weight, packed)
+        assert root.mlp.experts.linear_fc1 is wrapper
+    with torch.no_grad():
+        assert torch.equal(root.mlp.experts(x, splits, probs)[0], before)
+        assert merge_bridge_lora(root.mlp.experts) == ["linear_fc1", "linear_fc2"]
+        assert rel_err(root.mlp.experts(x, splits, probs)[0], before) < 1e-5

@@ -83,7 +83,7 @@ REFUSALS = [
      "divisible by expert_tensor_parallel_size=3. Choose an expert_tensor_parallel_size"),
     ("etp_local_width", dict(moe_ffn_hidden_size=48), dict(etp_size=4), "moe_ffn_hidden_size=48",
      "the per-rank width 48/4=12 must be a multiple of 8 (grouped GEMM needs 16-byte strides); "
-     "set expert_tensor_parallel_size=3 (per-rank width 16)."),
+     "set expert_tensor_parallel_size=2 (per-rank width 24)."),
     ("ffn_alignment_at_etp1", dict(moe_ffn_hidden_size=44), {}, "moe_ffn_hidden_size=44",
      "the per-rank width 44/1=44 must be a multiple of 8 (grouped GEMM needs 16-byte strides); "
      "44 is not a multiple of 8, so no expert_tensor_parallel_size gives one. Choose a "
@@ -209,3 +209,40 @@ def test_plain_transformer_config_is_validated_when_torch_grouped_mlp_is_built(m
     # Through the spec, as MoELayer builds it: build_module keeps the exception type.
     with pytest.raises(TorchExpertsConfigError, match="add_bias_linear=True"):
         torch_experts_spec()(4, config, pg_collection=megatron_cpu)
+
+
+@pytest.mark.parametrize("ffn, etp, proposed", [(40, 8, 1), (96, 16, 4), (48, 4, 2), (80, 4, 2)])
+def test_ffn_alignment_fix_proposes_a_divisor_of_the_current_expert_tp_size(ffn, etp, proposed):
+    """The expert-TP size proposed for an unaligned per-rank FFN width divides the current one,
+    so the same ranks still split into expert-TP groups (expert data parallelism grows)."""
+    config = valid_config()
+    config.moe_ffn_hidden_size = ffn
+    with pytest.raises(TorchExpertsConfigError) as refusal:
+        validate_torch_experts_config(config, etp_size=etp)
+    assert (f"set expert_tensor_parallel_size={proposed} (per-rank width {ffn // proposed})."
+            in str(refusal.value))
+    assert etp % proposed == 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "transformer_engine"])
+def test_forced_fused_gemm_for_an_activation_it_does_not_compute_is_refused_at_config_build(
+        backend):
+    """"fused_gemm" with GELU: a TorchExpertsConfigError naming the setting and the fix when the
+    config is built, not a plain error when the module is."""
+    pytest.importorskip("triton")
+    import torch.nn.functional as F
+
+    with pytest.raises(TorchExpertsConfigError,
+                       match=r"moe_expert_kernel='fused_gemm' cannot run: .*activation_func="
+                             r".*gelu.*Set moe_expert_kernel='grouped_mm' or 'auto'"):
+        TorchExpertsTransformerConfig(**VALID, moe_expert_gemm_backend=backend,
+                                      moe_expert_kernel="fused_gemm", activation_func=F.gelu,
+                                      gated_linear_unit=False)
+
+
+def test_forced_fused_gemm_on_a_plain_config_is_refused_when_the_module_is_built(megatron_cpu):
+    pytest.importorskip("triton")
+    config = make_config(activation="gelu", glu=False)
+    config.moe_expert_kernel = "fused_gemm"
+    with pytest.raises(TorchExpertsConfigError, match="moe_expert_kernel='fused_gemm' cannot run"):
+        TorchGroupedMLP(config.num_moe_experts, config, pg_collection=megatron_cpu)

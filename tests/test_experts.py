@@ -259,3 +259,25 @@ def test_dtype_cast_keeps_parameters_as_views(megatron_cpu):
 def test_backward_dw_is_a_no_op(megatron_cpu):
     _, experts, _ = build_pair(megatron_cpu)
     assert experts.backward_dw() is None
+
+
+@pytest.mark.parametrize("case", CASES[:3], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_column_major_input_and_gradient(megatron_cpu, case):
+    """A [T, H] input laid out column-major (`x.t().contiguous().t()`, strides (1, T)) and a
+    column-major output gradient: grouped GEMM needs 16-byte strides, SequentialMLP takes any."""
+    config, experts, seq = build_pair(megatron_cpu, **case)
+    splits = [3, 5, 0, 3]  # T = 11 rows: a column-major bf16 stride of 22 bytes
+    x = torch.randn(sum(splits), HIDDEN).bfloat16().t().contiguous().t()
+    probs = torch.rand(sum(splits))
+    grad_out = torch.randn(sum(splits), HIDDEN).bfloat16().t().contiguous().t()
+    results = []
+    for module in (experts, seq):
+        x_in = x.detach().clone(memory_format=torch.preserve_format).requires_grad_(True)
+        assert x_in.stride() == (1, sum(splits))
+        out, _ = module(x_in, torch.tensor(splits), probs)
+        out.backward(grad_out)
+        results.append((out, x_in.grad))
+    ref_out, ref_grad = fp64_reference(config, experts, x, splits, probs, grad_out)
+    for out, grad in results:
+        assert rel_err(out, ref_out) < TOL[torch.bfloat16]
+        assert rel_err(grad, ref_grad) < TOL[torch.bfloat16]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mcore_torch_experts import TorchGroupedMLP
-from mcore_torch_experts.experts import choose_expert_kernel
+from mcore_torch_experts.kernel_choice import choose_expert_kernel
 from reference import make_config as _make_config
 
 
@@ -137,3 +137,57 @@ def test_forced_fused_gemm_refuses_cpu_tensors(megatron_cpu):
     x = torch.randn(8, config.hidden_size).bfloat16()
     with pytest.raises(RuntimeError, match="runs Triton kernels on CUDA tensors"):
         experts(x, [2, 2, 2, 2], torch.rand(8))
+
+
+def _recorder(module, calls):
+    """A hook that notes calls for `module` only (global hooks see every module)."""
+    return lambda hooked, *args: calls.append(hooked) if hooked is module else None
+
+
+_GLOBAL = torch.nn.modules.module
+HOOKS = {
+    "forward": lambda m, calls: m.register_forward_hook(_recorder(m, calls)),
+    "forward_pre": lambda m, calls: m.register_forward_pre_hook(_recorder(m, calls)),
+    "full_backward": lambda m, calls: m.register_full_backward_hook(_recorder(m, calls)),
+    "backward_pre": lambda m, calls: m.register_full_backward_pre_hook(_recorder(m, calls)),
+    "global_forward": lambda m, calls: _GLOBAL.register_module_forward_hook(_recorder(m, calls)),
+    "global_full_backward": lambda m, calls: _GLOBAL.register_module_full_backward_hook(
+        _recorder(m, calls)),
+}
+
+
+@pytest.mark.parametrize("hook", list(HOOKS))
+def test_forced_fused_gemm_refuses_linears_with_hooks(megatron_cpu, hook):
+    """The fused path calls the packed weights directly and would skip linear_fc1's hooks (its
+    own, forward or backward, or global module hooks): a forced "fused_gemm" refuses."""
+    pytest.importorskip("triton")
+    config = make_config(activation="squared_relu", glu=False, moe_expert_kernel="fused_gemm")
+    experts = TorchGroupedMLP(config.num_moe_experts, config, pg_collection=megatron_cpu)
+    experts.requires_grad_(False)
+    handle = HOOKS[hook](experts.linear_fc1, [])
+    x = torch.randn(8, config.hidden_size).bfloat16().requires_grad_(True)
+    try:
+        with pytest.raises(RuntimeError, match="carry adapters or hooks"):
+            experts(x, [2, 2, 2, 2], torch.rand(8))
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the fused kernels run on CUDA"))])
+@pytest.mark.parametrize("hook", list(HOOKS))
+def test_auto_calls_every_hook_of_the_linears(megatron_cpu, hook, device):
+    """Under "auto" (fused_gemm on sm90 for squared ReLU, grouped_mm on the CPU) a linear with
+    hooks takes grouped_mm, where the hooks run."""
+    config = make_config(activation="squared_relu", glu=False, moe_expert_kernel="auto")
+    experts = TorchGroupedMLP(config.num_moe_experts, config, pg_collection=megatron_cpu)
+    experts.to(device).requires_grad_(False)
+    calls = []
+    handle = HOOKS[hook](experts.linear_fc1, calls)
+    x = torch.randn(8, config.hidden_size, device=device).bfloat16().requires_grad_(True)
+    try:
+        out, _ = experts(x, [2, 2, 2, 2], torch.rand(8, device=device))
+        out.float().sum().backward()
+    finally:
+        handle.remove()
+    assert calls and x.grad is not None
