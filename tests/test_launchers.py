@@ -1,0 +1,131 @@
+"""The launcher entry points (`specs.torch_experts_gpt_spec`, `specs.torch_experts_hybrid_stack_spec`):
+what a launcher names by import path builds TorchGroupedMLP experts from a config without the
+backend field, Megatron's own spec otherwise unchanged (TE or local modules as `transformer_impl`
+says), every refusal runs on the real TransformerConfig (also behind Megatron-LM 0.19's
+GPTModelConfig), and a model built from it computes what Megatron's SequentialMLP model does."""
+
+import dataclasses
+
+import pytest
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+from mcore_torch_experts import TorchExpertsConfigError, TorchGroupedMLP, _compat, specs
+from reference import rel_err
+from test_specs import GRAD_TOL, LOGITS_TOL, experts_class, mlp_kinds, plain_config, spec_structure
+from tiny_gpt import forward_backward, freeze_experts, gpt, sequential_to_grouped
+from tiny_gpt import megatron_cpu_gpt  # noqa: F401  (fixture)
+
+
+def megatron_block_with_torch_experts(config, use_transformer_engine):
+    """The independent expectation: Megatron's own block spec for `config`, with only the MoE
+    experts entry replaced by TorchGroupedMLP's spec."""
+    block = gpt_layer_specs.get_gpt_decoder_block_spec(
+        config, use_transformer_engine, normalization=config.normalization,
+        qk_l2_norm=config.qk_l2_norm)
+    layers = []
+    for layer in block.layer_specs:
+        mlp = layer.submodules.mlp
+        if _compat.is_moe_mlp_spec(mlp):
+            moe = dataclasses.replace(_compat.moe_submodules(mlp),
+                                      experts=specs.torch_experts_spec())
+            layer = dataclasses.replace(layer, submodules=dataclasses.replace(
+                layer.submodules, mlp=_compat.with_moe_submodules(mlp, moe)))
+        layers.append(layer)
+    return dataclasses.replace(block, layer_specs=layers)
+
+
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+def test_gpt_spec_without_the_backend_field_is_megatrons_block_with_torch_experts(megatron_cpu,
+                                                                                  impl):
+    config = plain_config(transformer_impl=impl)
+    assert not hasattr(config, "moe_expert_gemm_backend")
+    use_te = impl == "transformer_engine"
+    try:  # TE or local modules, as transformer_impl asked: Megatron's own choice for it
+        megatron = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_te)
+    except (NameError, TypeError) as error:  # its TE spec without Transformer Engine
+        pytest.skip(f"Megatron's own TE block spec cannot be built here: {error}")
+    ours = specs.torch_experts_gpt_spec(config)
+    assert spec_structure(ours) == spec_structure(megatron_block_with_torch_experts(config, use_te))
+    assert [experts_class(s) for s in ours.layer_specs[1:]] == [TorchGroupedMLP, TorchGroupedMLP]
+    assert ours.layer_specs[0].submodules.self_attention.submodules.linear_qkv is \
+        megatron.layer_specs[0].submodules.self_attention.submodules.linear_qkv
+
+
+def test_gpt_spec_says_transformer_engine_gives_megatrons_spec_unchanged(megatron_cpu):
+    config = plain_config(transformer_impl="local", moe_expert_gemm_backend="transformer_engine")
+    ours = specs.torch_experts_gpt_spec(config)
+    assert spec_structure(ours) == spec_structure(gpt_layer_specs.get_gpt_decoder_block_spec(
+        config, False, normalization=config.normalization, qk_l2_norm=config.qk_l2_norm))
+    assert TorchGroupedMLP not in {experts_class(s) for s in ours.layer_specs[1:]}
+
+
+def test_gpt_spec_passes_the_pipeline_stage_to_megatron(megatron_cpu, monkeypatch):
+    seen = {}
+    builder = gpt_layer_specs.get_gpt_decoder_block_spec
+
+    def recording_builder(config, use_transformer_engine, **kwargs):
+        seen.update(kwargs)
+        return builder(config, use_transformer_engine, **kwargs)
+
+    monkeypatch.setattr(gpt_layer_specs, "get_gpt_decoder_block_spec", recording_builder)
+    specs.torch_experts_gpt_spec(plain_config(transformer_impl="local"), vp_stage=0)
+    assert seen["vp_stage"] == 0
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("add_bias_linear", True, "add_bias_linear=True: expert weights must be bias-free"),
+    ("moe_grouped_gemm", False, "moe_grouped_gemm=False: set moe_grouped_gemm=True"),
+    ("moe_expert_gemm_backend", "Torch", "moe_expert_gemm_backend='Torch' is not a backend"),
+    ("transformer_impl", "inference_optimized",
+     "transformer_impl='inference_optimized': TorchGroupedMLP trains adapters"),
+])
+@pytest.mark.parametrize("entry", ["gpt", "hybrid"])
+def test_entry_points_refuse_on_the_config_they_are_given(megatron_cpu, field, value, message,
+                                                          entry):
+    config = plain_config(transformer_impl="local")
+    setattr(config, field, value)
+    entry_point = {"gpt": specs.torch_experts_gpt_spec,
+                   "hybrid": specs.torch_experts_hybrid_stack_spec}[entry]
+    if entry == "hybrid" and field == "transformer_impl":
+        pytest.skip("the hybrid entry point uses Megatron's TE hybrid stack spec, as Bridge does")
+    with pytest.raises(TorchExpertsConfigError, match=message):
+        entry_point(config)
+
+
+def test_hybrid_stack_spec_without_the_backend_field_swaps_only_the_moe_experts(megatron_cpu):
+    config = plain_config()
+    ours = specs.torch_experts_hybrid_stack_spec(config)
+    megatron = _compat.megatron_hybrid_stack_spec()
+    assert experts_class(ours.submodules.moe_layer) is TorchGroupedMLP
+    assert experts_class(megatron.submodules.moe_layer) is not TorchGroupedMLP
+    others = [f.name for f in dataclasses.fields(megatron.submodules) if f.name != "moe_layer"]
+    assert all(getattr(ours.submodules, name) is getattr(megatron.submodules, name)
+               for name in others)
+    unchanged = specs.torch_experts_hybrid_stack_spec(
+        plain_config(moe_expert_gemm_backend="transformer_engine"))
+    assert experts_class(unchanged.submodules.moe_layer) is \
+        experts_class(megatron.submodules.moe_layer)
+
+
+def test_callbacks_reject_what_is_not_a_config():
+    with pytest.raises(TypeError, match="a spec callback takes a TransformerConfig"):
+        specs.torch_experts_gpt_spec({"num_layers": 2})
+
+
+def test_model_from_the_gpt_entry_point_matches_the_sequential_mlp_model(megatron_cpu_gpt):
+    config = plain_config(transformer_impl="local")
+    ours = gpt(config, specs.torch_experts_gpt_spec(config), seed=1)
+    ref_config = plain_config(transformer_impl="local", moe_grouped_gemm=False)
+    reference = gpt(ref_config, gpt_layer_specs.get_gpt_decoder_block_spec(ref_config, False))
+    assert mlp_kinds(ours)[1:] == [TorchGroupedMLP, TorchGroupedMLP]
+    assert mlp_kinds(reference)[1:] == [SequentialMLP, SequentialMLP]
+    ours.load_state_dict(sequential_to_grouped(reference.state_dict()), strict=False)
+    freeze_experts(ours)
+    freeze_experts(reference)
+    logits, loss, grads = forward_backward(ours)
+    ref_logits, ref_loss, ref_grads = forward_backward(reference)
+    assert rel_err(logits, ref_logits) < LOGITS_TOL
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        assert rel_err(grad, ref_grads[name]) < GRAD_TOL, name
