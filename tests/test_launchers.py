@@ -5,12 +5,15 @@ says), every refusal runs on the real TransformerConfig (also behind Megatron-LM
 GPTModelConfig), and a model built from it computes what Megatron's SequentialMLP model does."""
 
 import dataclasses
+import importlib.util
+from pathlib import Path
 
 import pytest
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from mcore_torch_experts import TorchExpertsConfigError, TorchGroupedMLP, _compat, specs
+from bridge_support import run_worker
 from reference import rel_err
 from test_specs import GRAD_TOL, LOGITS_TOL, experts_class, mlp_kinds, plain_config, spec_structure
 from tiny_gpt import forward_backward, freeze_experts, gpt, sequential_to_grouped
@@ -129,3 +132,37 @@ def test_model_from_the_gpt_entry_point_matches_the_sequential_mlp_model(megatro
     assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():
         assert rel_err(grad, ref_grads[name]) < GRAD_TOL, name
+
+
+def _has_megatron_lm_gpt_builder() -> bool:
+    """Whether megatron.training with Megatron-LM 0.19's GPTModelConfig/GPTModelBuilder is here."""
+    training = importlib.util.find_spec("megatron.training")
+    return training is not None and (Path(training.origin).parent / "models" / "gpt.py").exists()
+
+
+@pytest.fixture(scope="module")
+def megatron_lm(tmp_path_factory):
+    if not _has_megatron_lm_gpt_builder():
+        pytest.skip("megatron.training has no GPTModelBuilder (it ships with megatron-core 0.19)")
+    return run_worker(Path(__file__).with_name("megatron_lm_worker.py"),
+                      tmp_path_factory.mktemp("megatron_lm"))
+
+
+def test_megatron_lm_spec_flag_builds_torch_experts_from_parsed_arguments(megatron_lm):
+    assert megatron_lm["config_class"] == "GPTModelConfig"
+    assert megatron_lm["transformer_config_class"] == "TransformerConfig"  # no backend field
+    assert megatron_lm["experts"] == ["TorchGroupedMLP", "TorchGroupedMLP"]
+    assert megatron_lm["reference_experts"] == ["SequentialMLP", "SequentialMLP"]
+
+
+def test_megatron_lm_model_computes_what_megatrons_own_spec_computes(megatron_lm):
+    assert megatron_lm["unexpected_keys"] == [] and megatron_lm["missing_weights"] == []
+    assert megatron_lm["logits_rel_err"] < LOGITS_TOL
+    assert megatron_lm["grad_names_equal"]
+    assert megatron_lm["grads_max_rel_err"] < GRAD_TOL
+
+
+def test_megatron_lm_refusals_run_on_the_transformer_config(megatron_lm):
+    assert megatron_lm["bias_refusal"].startswith(
+        "TorchExpertsConfigError: moe_expert_gemm_backend='torch' does not support "
+        "add_bias_linear=True")
