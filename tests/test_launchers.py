@@ -166,3 +166,47 @@ def test_megatron_lm_refusals_run_on_the_transformer_config(megatron_lm):
     assert megatron_lm["bias_refusal"].startswith(
         "TorchExpertsConfigError: moe_expert_gemm_backend='torch' does not support "
         "add_bias_linear=True")
+
+
+@pytest.fixture(scope="module")
+def bridge_run(tmp_path_factory):
+    if importlib.util.find_spec("megatron.bridge") is None or \
+            importlib.util.find_spec("transformers") is None:
+        pytest.skip("needs megatron-bridge and transformers (the Python 3.12 / megatron-core "
+                    "0.19 leg)")
+    return run_worker(Path(__file__).with_name("bridge_launcher_worker.py"),
+                      tmp_path_factory.mktemp("bridge_launcher"))
+
+
+def test_bridge_autobridge_provider_naming_the_spec_builds_torch_experts(bridge_run):
+    assert bridge_run["provider_class"] == "GPTModelProvider"  # what Qwen3-MoE's bridge returns
+    assert not bridge_run["provider_has_backend_field"]
+    assert bridge_run["experts"] == ["TorchGroupedMLP", "TorchGroupedMLP"]
+    assert bridge_run["import_logits_max_abs"] < 1e-5  # HF weights in the packed buffers
+
+
+def test_bridge_lora_trains_on_the_launcher_spec_model(bridge_run):
+    assert bridge_run["adapter_wrappers"] == 4  # 2 layers x experts fc1, fc2
+    losses = bridge_run["losses"]
+    assert losses[-1] < losses[0] - 0.1
+    assert bridge_run["adapter_shift_max_abs"] > 1e-2
+    assert bridge_run["merged"] == 4 and bridge_run["merged_logits_max_abs"] < 1e-5
+
+
+def test_bridge_run_config_keeps_the_spec_and_reloads_it_once_the_prefix_is_allowed(bridge_run):
+    assert bridge_run["run_config_spec"] == {
+        "_target_": "mcore_torch_experts.specs.torch_experts_gpt_spec", "_call_": False}
+    assert "InstantiationException: Instantiation of 'mcore_torch_experts.specs." \
+        "torch_experts_gpt_spec' is not allowed because it is not in the allowlist" in \
+        bridge_run["reload_without_prefix"]
+    assert bridge_run["reloaded_provider_class"] == "GPTModelProvider"
+    assert bridge_run["reloaded_spec"] == "mcore_torch_experts.specs.torch_experts_gpt_spec"
+    assert bridge_run["reloaded_experts"] == ["TorchGroupedMLP", "TorchGroupedMLP"]
+    assert bridge_run["reloaded_logits_max_abs"] < 1e-5  # the trained weights, reloaded
+
+
+def test_bridge_hybrid_provider_keeps_the_hybrid_spec_through_its_run_config(bridge_run):
+    assert bridge_run["hybrid_run_config_spec"] == {
+        "_target_": "mcore_torch_experts.specs.torch_experts_hybrid_stack_spec", "_call_": False}
+    assert bridge_run["hybrid_reloaded_provider_class"] == "HybridModelProvider"
+    assert bridge_run["hybrid_reloaded_experts"] == "TorchGroupedMLP"
