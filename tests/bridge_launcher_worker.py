@@ -117,6 +117,113 @@ def hybrid_round_trip(out: Path) -> dict:
             .__name__}
 
 
+def load_nemo_rl_extension():
+    """examples/nemo_rl_worker.py, imported where NeMo-RL and Ray are not installed: stand-ins for
+    the three names it imports exist only during its import (its worker class is not run)."""
+    import importlib.util
+    import types
+
+    ray = types.ModuleType("ray")
+    ray.remote = lambda **options: (lambda cls: cls)
+    utils = types.ModuleType("nemo_rl.models.policy.utils")
+    utils.get_runtime_env_for_policy_worker = lambda name: {}
+    workers = types.ModuleType("nemo_rl.models.policy.workers.megatron_policy_worker")
+    workers.MegatronPolicyWorkerImpl = type("MegatronPolicyWorkerImpl", (), {})
+    stand_ins = {"ray": ray, "nemo_rl": types.ModuleType("nemo_rl"),
+                 "nemo_rl.models": types.ModuleType("nemo_rl.models"),
+                 "nemo_rl.models.policy": types.ModuleType("nemo_rl.models.policy"),
+                 "nemo_rl.models.policy.utils": utils,
+                 "nemo_rl.models.policy.workers": types.ModuleType("nemo_rl.models.policy.workers"),
+                 "nemo_rl.models.policy.workers.megatron_policy_worker": workers}
+    assert not set(stand_ins) & set(sys.modules)
+    sys.modules.update(stand_ins)
+    try:
+        path = Path(__file__).parents[1] / "examples" / "nemo_rl_worker.py"
+        spec = importlib.util.spec_from_file_location("nemo_rl_worker", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        for name in stand_ins:
+            del sys.modules[name]
+    return module
+
+
+def nemo_rl_calls(out: Path) -> dict:
+    """NeMo-RL's Megatron policy setup, call for call (nemo_rl/models/megatron/community_import.py
+    `import_model_from_hf_name`, setup.py `setup_model_config`, `setup_model_and_optimizer`,
+    `setup_reference_model_state`), on a worker that `enable_torch_experts` prepared. What the
+    CPU host needs is added where the provider is first made; checkpoints are written as in
+    main() (Bridge's save_megatron_model / load_model_config cannot be imported here)."""
+    import dataclasses
+    import types
+
+    from megatron.bridge import AutoBridge
+    from megatron.bridge.models.model_provider import get_model
+    from megatron.bridge.peft.lora import LoRA
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    extension = load_nemo_rl_extension()
+    worker = types.SimpleNamespace()
+    extension.enable_torch_experts(worker)
+    # MegatronPolicyWorkerImpl.__init__ -> handle_model_import -> import_model_from_hf_name
+    transformer_layer_spec = getattr(worker, "_transformer_layer_spec", None)
+    mamba_stack_spec = getattr(worker, "_mamba_stack_spec", None)
+    hf_path = out / "hf_tiny"
+    bridge = AutoBridge.from_hf_pretrained(str(hf_path), trust_remote_code=True)
+    model_provider = bridge.to_megatron_provider(load_weights=True)
+    model_provider.transformer_impl = "local"  # CPU host, as in provider_for()
+    model_provider.moe_token_dispatcher_type = "allgather"
+    model_provider.moe_permute_fusion = False
+    model_provider.masked_softmax_fusion = False
+    model_provider.cross_entropy_loss_fusion = False
+    model_provider.gradient_accumulation_fusion = False
+    model_provider.moe_grouped_gemm = True
+    if transformer_layer_spec is not None:
+        model_provider.transformer_layer_spec = transformer_layer_spec
+    if mamba_stack_spec is not None and hasattr(model_provider, "hybrid_stack_spec"):
+        model_provider.hybrid_stack_spec = mamba_stack_spec
+    model_provider.finalize()
+    megatron_model = model_provider.provide_distributed_model(
+        wrap_with_ddp=False, post_wrap_hook=None, use_cpu_initialization=True,
+        mixed_precision_wrapper=None)
+    result = {"nemo_rl_import_experts": experts_classes(megatron_model[0])}
+    write_run_config(megatron_model[0].config, out / "nemo_rl_run_config.yaml")
+    save_weights(megatron_model[0], out / "nemo_rl_weights")
+
+    # setup_model_config: load_model_config -> instantiate; model_overrides -> dataclasses.replace
+    model_cfg = read_provider(out / "nemo_rl_run_config.yaml")
+    model_cfg = dataclasses.replace(model_cfg, moe_aux_loss_coeff=0.0)
+    model_cfg.finalize()
+    result["nemo_rl_provider_spec"] = model_cfg.transformer_layer_spec.__qualname__
+
+    # setup_model_and_optimizer / setup_reference_model_state: LoRA from NeMo-RL's fixed keys
+    # (examples/configs/sft.yaml defaults), its PEFT pre-wrap hook after the base weights load.
+    peft_cfg = dict(target_modules=["linear_fc1", "linear_fc2"], exclude_modules=[], dim=8,
+                    alpha=32, dropout=0.0, dropout_position="post", a2a_experimental=False,
+                    lora_dtype=None)
+    tokens = torch.randint(0, example.TINY_QWEN3_MOE["vocab_size"], (2, 16),
+                           generator=torch.Generator().manual_seed(7))
+    hf = example.hf_logits(hf_path, tokens)
+    for role, init in (("policy", ("xavier", "zero")), ("reference", ("zero", "zero"))):
+        peft = LoRA(**peft_cfg, lora_A_init_method=init[0], lora_B_init_method=init[1])
+
+        def peft_hook(model, peft=peft):  # Bridge's PEFT pre-wrap hook: base weights, then PEFT
+            load_weights(model[0], out / "nemo_rl_weights")
+            return peft(model, training=True)
+
+        model, = get_model(model_cfg, DistributedDataParallelConfig(), pre_wrap_hook=[peft_hook],
+                           mixed_precision_wrapper=None, wrap_with_ddp=False,
+                           use_cpu_initialization=True,
+                           pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+        experts = model.decoder.layers[0].mlp.experts
+        result[f"nemo_rl_{role}_experts"] = experts_classes(model)
+        result[f"nemo_rl_{role}_expert_adapter"] = type(experts.linear_fc1.adapter).__name__
+        result[f"nemo_rl_{role}_logits_max_abs"] = example.max_abs(
+            example.megatron_logits(model, tokens), hf)
+    return result
+
+
 def main(out: Path, result_path: Path) -> None:
     import_megatron_bridge()
     init_single_process_megatron()
@@ -164,7 +271,10 @@ def main(out: Path, result_path: Path) -> None:
         result["reload_without_prefix"] = None
     except Exception as error:  # Bridge's InstantiationException
         result["reload_without_prefix"] = f"{type(error).__name__}: {error}"
-    register_allowed_target_prefix("mcore_torch_experts")
+    # NeMo-RL's calls, on a worker prepared by examples/nemo_rl_worker.py, which registers the
+    # package's prefix in this process (nothing else has yet).
+    result.update(nemo_rl_calls(out))
+    register_allowed_target_prefix("mcore_torch_experts")  # docs/enable.md: Bridge's reload
     reloaded_provider = read_provider(run_config)
     spec = reloaded_provider.transformer_layer_spec
     result["reloaded_provider_class"] = type(reloaded_provider).__name__

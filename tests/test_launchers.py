@@ -210,3 +210,19 @@ def test_bridge_hybrid_provider_keeps_the_hybrid_spec_through_its_run_config(bri
         "_target_": "mcore_torch_experts.specs.torch_experts_hybrid_stack_spec", "_call_": False}
     assert bridge_run["hybrid_reloaded_provider_class"] == "HybridModelProvider"
     assert bridge_run["hybrid_reloaded_experts"] == "TorchGroupedMLP"
+
+
+def test_nemo_rl_extension_worker_gives_its_import_the_spec(bridge_run):
+    assert bridge_run["nemo_rl_import_experts"] == ["TorchGroupedMLP", "TorchGroupedMLP"]
+    # The provider NeMo-RL rebuilds from run_config.yaml (the extension allowed the prefix).
+    assert bridge_run["nemo_rl_provider_spec"] == "torch_experts_gpt_spec"
+
+
+@pytest.mark.parametrize("role", ["policy", "reference"])
+def test_nemo_rl_policy_and_reference_models_have_torch_experts_and_shared_adapters(bridge_run,
+                                                                                    role):
+    assert bridge_run[f"nemo_rl_{role}_experts"] == ["TorchGroupedMLP", "TorchGroupedMLP"]
+    # NeMo-RL builds LoRA from fixed keys: Bridge's default, one shared adapter per module.
+    assert bridge_run[f"nemo_rl_{role}_expert_adapter"] == "ParallelLinearAdapter"
+    # Base weights loaded before the (zero-initialised B) adapters: the HF model's logits.
+    assert bridge_run[f"nemo_rl_{role}_logits_max_abs"] < 1e-5
