@@ -17,7 +17,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).parent))
 from cpu_support import import_megatron_bridge, init_single_process_megatron  # noqa: E402
+from doc_snippets import run_snippet, snippet  # noqa: E402
 import hf_roundtrip as example  # noqa: E402
 
 from mcore_torch_experts import specs  # noqa: E402
@@ -29,14 +31,10 @@ def experts_classes(model) -> list:
 
 def provider_for(path: Path):
     """docs/enable.md, "Megatron-Bridge": the provider AutoBridge makes for the checkpoint, with
-    the launcher spec named on it; plus what a CPU host needs (local modules, the allgather
+    the launcher spec named on it (the docs' snippet); plus what a CPU host needs (local modules, the allgather
     dispatcher, no fused kernels)."""
-    from megatron.bridge import AutoBridge
-
-    bridge = AutoBridge.from_hf_pretrained(path)
-    provider = bridge.to_megatron_provider(load_weights=True)
-    provider.transformer_layer_spec = specs.torch_experts_gpt_spec
-    provider.moe_grouped_gemm = True
+    names = run_snippet("bridge-gpt", hf_path=path)
+    bridge, provider = names["bridge"], names["provider"]
     provider.transformer_impl = "local"  # CPU: no Transformer Engine
     provider.moe_token_dispatcher_type = "allgather"
     provider.moe_permute_fusion = False
@@ -103,8 +101,8 @@ def hybrid_round_trip(out: Path) -> dict:
     provider = HybridModelProvider(
         num_layers=2, hybrid_layer_pattern="*E", hidden_size=64, num_attention_heads=4,
         ffn_hidden_size=128, num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2,
-        moe_grouped_gemm=True, vocab_size=128, apply_rope_fusion=False,  # CPU: no TE
-        hybrid_stack_spec=specs.torch_experts_hybrid_stack_spec)
+        moe_grouped_gemm=True, vocab_size=128, apply_rope_fusion=False)  # CPU: no TE
+    run_snippet("bridge-hybrid", provider=provider)
     write_run_config(provider, out / "hybrid_run_config.yaml")
     reloaded = read_provider(out / "hybrid_run_config.yaml")
     reloaded.finalize()
@@ -157,12 +155,14 @@ def nemo_rl_calls(out: Path) -> dict:
     import dataclasses
     import types
 
+    import yaml
     from megatron.bridge import AutoBridge
     from megatron.bridge.models.model_provider import get_model
     from megatron.bridge.peft.lora import LoRA
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    megatron_cfg = yaml.safe_load(snippet("nemo-rl-config"))["policy"]["megatron_cfg"]
     extension = load_nemo_rl_extension()
     worker = types.SimpleNamespace()
     extension.enable_torch_experts(worker)
@@ -178,7 +178,6 @@ def nemo_rl_calls(out: Path) -> dict:
     model_provider.masked_softmax_fusion = False
     model_provider.cross_entropy_loss_fusion = False
     model_provider.gradient_accumulation_fusion = False
-    model_provider.moe_grouped_gemm = True
     if transformer_layer_spec is not None:
         model_provider.transformer_layer_spec = transformer_layer_spec
     if mamba_stack_spec is not None and hasattr(model_provider, "hybrid_stack_spec"):
@@ -194,19 +193,27 @@ def nemo_rl_calls(out: Path) -> dict:
     # setup_model_config: load_model_config -> instantiate; model_overrides -> dataclasses.replace
     model_cfg = read_provider(out / "nemo_rl_run_config.yaml")
     model_cfg = dataclasses.replace(model_cfg, moe_aux_loss_coeff=0.0)
+    if "moe_grouped_gemm" in megatron_cfg:  # _apply_moe_config
+        model_cfg.moe_grouped_gemm = megatron_cfg["moe_grouped_gemm"]
     model_cfg.finalize()
     result["nemo_rl_provider_spec"] = model_cfg.transformer_layer_spec.__qualname__
 
     # setup_model_and_optimizer / setup_reference_model_state: LoRA from NeMo-RL's fixed keys
-    # (examples/configs/sft.yaml defaults), its PEFT pre-wrap hook after the base weights load.
-    peft_cfg = dict(target_modules=["linear_fc1", "linear_fc2"], exclude_modules=[], dim=8,
-                    alpha=32, dropout=0.0, dropout_position="post", a2a_experimental=False,
-                    lora_dtype=None)
+    # (the docs' policy.megatron_cfg.peft), its PEFT pre-wrap hook after the base weights load.
+    peft_cfg = megatron_cfg["peft"]
+    result["nemo_rl_peft_enabled"] = peft_cfg["enabled"]
     tokens = torch.randint(0, example.TINY_QWEN3_MOE["vocab_size"], (2, 16),
                            generator=torch.Generator().manual_seed(7))
     hf = example.hf_logits(hf_path, tokens)
-    for role, init in (("policy", ("xavier", "zero")), ("reference", ("zero", "zero"))):
-        peft = LoRA(**peft_cfg, lora_A_init_method=init[0], lora_B_init_method=init[1])
+    policy_init = (peft_cfg["lora_A_init_method"], peft_cfg["lora_B_init_method"])
+    for role, init in (("policy", policy_init), ("reference", ("zero", "zero"))):
+        peft = LoRA(target_modules=peft_cfg["target_modules"],
+                    exclude_modules=peft_cfg["exclude_modules"], dim=peft_cfg["dim"],
+                    alpha=peft_cfg["alpha"], dropout=peft_cfg["dropout"],
+                    dropout_position=peft_cfg["dropout_position"],
+                    lora_A_init_method=init[0], lora_B_init_method=init[1],
+                    a2a_experimental=peft_cfg["a2a_experimental"],
+                    lora_dtype=peft_cfg["lora_dtype"])
 
         def peft_hook(model, peft=peft):  # Bridge's PEFT pre-wrap hook: base weights, then PEFT
             load_weights(model[0], out / "nemo_rl_weights")
@@ -224,11 +231,37 @@ def nemo_rl_calls(out: Path) -> dict:
     return result
 
 
+def bridge_peft_snippet(provider) -> dict:
+    """The docs' Bridge PEFT snippet on a fresh model from `provider`."""
+    model, = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True,
+                                                mixed_precision_wrapper=None)
+    model = run_snippet("bridge-peft", model=model)["model"]
+    experts = model.decoder.layers[0].mlp.experts
+    return {"doc_peft_wrappers": sum(type(m).__name__ == "LoRALinear" for m in model.modules()),
+            "doc_peft_expert_adapter": type(experts.linear_fc1.adapter).__name__}
+
+
+def bridge_mtp(provider) -> dict:
+    """The experts of the MTP layer Bridge's GPT provider derives from the named spec."""
+    from megatron.bridge.models.gpt_provider import mtp_block_spec
+
+    from mcore_torch_experts import _compat
+
+    provider.mtp_num_layers = 1
+    try:
+        block = mtp_block_spec(provider)
+    except Exception as error:  # Bridge builds MTP with Transformer Engine modules
+        return {"mtp_experts": f"{type(error).__name__}: {error}"}
+    finally:
+        provider.mtp_num_layers = None
+    mlp = block.layer_specs[0].submodules.mtp_model_layer.submodules.mlp
+    return {"mtp_experts": _compat.spec_class(_compat.moe_submodules(mlp).experts).__name__}
+
+
 def main(out: Path, result_path: Path) -> None:
     import_megatron_bridge()
     init_single_process_megatron()
     from megatron.bridge.peft.lora import LoRA
-    from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix
 
     from mcore_torch_experts.bridge import merge_bridge_lora
 
@@ -274,7 +307,7 @@ def main(out: Path, result_path: Path) -> None:
     # NeMo-RL's calls, on a worker prepared by examples/nemo_rl_worker.py, which registers the
     # package's prefix in this process (nothing else has yet).
     result.update(nemo_rl_calls(out))
-    register_allowed_target_prefix("mcore_torch_experts")  # docs/enable.md: Bridge's reload
+    run_snippet("bridge-reload")
     reloaded_provider = read_provider(run_config)
     spec = reloaded_provider.transformer_layer_spec
     result["reloaded_provider_class"] = type(reloaded_provider).__name__
@@ -287,6 +320,8 @@ def main(out: Path, result_path: Path) -> None:
     result["reloaded_logits_max_abs"] = example.max_abs(example.megatron_logits(reloaded, tokens),
                                                         trained)
     result.update(hybrid_round_trip(out))
+    result.update(bridge_peft_snippet(reloaded_provider))
+    result.update(bridge_mtp(reloaded_provider))
     result_path.write_text(json.dumps(result))
 
 

@@ -226,3 +226,24 @@ def test_nemo_rl_policy_and_reference_models_have_torch_experts_and_shared_adapt
     assert bridge_run[f"nemo_rl_{role}_expert_adapter"] == "ParallelLinearAdapter"
     # Base weights loaded before the (zero-initialised B) adapters: the HF model's logits.
     assert bridge_run[f"nemo_rl_{role}_logits_max_abs"] < 1e-5
+
+
+def test_megatron_lm_run_used_the_documented_flags(megatron_lm):
+    assert megatron_lm["documented_flags"][-3:] == [
+        "--spec", "mcore_torch_experts.specs", "torch_experts_gpt_spec"]
+
+
+def test_megatron_lm_hybrid_launcher_change_gives_torch_experts(megatron_lm):
+    assert megatron_lm["hybrid_experts"] == "TorchGroupedMLP"
+
+
+def test_bridge_peft_snippet_wraps_the_experts_per_expert(bridge_run):
+    assert bridge_run["doc_peft_wrappers"] == 8  # 2 layers x (qkv, proj, experts fc1, fc2)
+    assert bridge_run["doc_peft_expert_adapter"] == "GroupedExpertLinearAdapter"
+
+
+def test_bridge_mtp_layers_inherit_the_named_spec(bridge_run):
+    if importlib.util.find_spec("transformer_engine") is None:
+        pytest.skip(f"Bridge builds its MTP spec from Transformer Engine modules: "
+                    f"{bridge_run['mtp_experts']}")
+    assert bridge_run["mtp_experts"] == "TorchGroupedMLP"
