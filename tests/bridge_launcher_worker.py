@@ -22,7 +22,6 @@ from cpu_support import import_megatron_bridge, init_single_process_megatron  # 
 from doc_snippets import run_snippet, snippet  # noqa: E402
 import hf_roundtrip as example  # noqa: E402
 
-from mcore_torch_experts import specs  # noqa: E402
 
 
 def experts_classes(model) -> list:
@@ -31,8 +30,8 @@ def experts_classes(model) -> list:
 
 def provider_for(path: Path):
     """docs/enable.md, "Megatron-Bridge": the provider AutoBridge makes for the checkpoint, with
-    the launcher spec named on it (the docs' snippet); plus what a CPU host needs (local modules, the allgather
-    dispatcher, no fused kernels)."""
+    the launcher spec named on it (the docs' snippet); plus what a CPU host needs (local
+    modules, the allgather dispatcher, no fused kernels)."""
     names = run_snippet("bridge-gpt", hf_path=path)
     bridge, provider = names["bridge"], names["provider"]
     provider.transformer_impl = "local"  # CPU: no Transformer Engine

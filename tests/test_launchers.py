@@ -1,8 +1,13 @@
-"""The launcher entry points (`specs.torch_experts_gpt_spec`, `specs.torch_experts_hybrid_stack_spec`):
-what a launcher names by import path builds TorchGroupedMLP experts from a config without the
-backend field, Megatron's own spec otherwise unchanged (TE or local modules as `transformer_impl`
-says), every refusal runs on the real TransformerConfig (also behind Megatron-LM 0.19's
-GPTModelConfig), and a model built from it computes what Megatron's SequentialMLP model does."""
+"""The launcher entry points and the launchers' routes to them.
+
+- `specs.torch_experts_gpt_spec` / `torch_experts_hybrid_stack_spec` build TorchGroupedMLP
+  experts from a config without the backend field, Megatron's own spec otherwise unchanged (TE
+  or local modules as `transformer_impl` says), refuse on the real TransformerConfig, and give a
+  model that computes what Megatron's SequentialMLP model computes.
+- Megatron-LM 0.19: parsed command-line arguments to a built model (megatron_lm_worker.py).
+- Megatron-Bridge 0.6 and NeMo-RL's calls on it: AutoBridge, LoRA, run_config.yaml round trips
+  (bridge_launcher_worker.py).
+"""
 
 import dataclasses
 import importlib.util
