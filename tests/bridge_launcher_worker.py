@@ -240,23 +240,6 @@ def bridge_peft_snippet(provider) -> dict:
             "doc_peft_expert_adapter": type(experts.linear_fc1.adapter).__name__}
 
 
-def bridge_mtp(provider) -> dict:
-    """The experts of the MTP layer Bridge's GPT provider derives from the named spec."""
-    from megatron.bridge.models.gpt_provider import mtp_block_spec
-
-    from mcore_torch_experts import _compat
-
-    provider.mtp_num_layers = 1
-    try:
-        block = mtp_block_spec(provider)
-    except Exception as error:  # Bridge builds MTP with Transformer Engine modules
-        return {"mtp_experts": f"{type(error).__name__}: {error}"}
-    finally:
-        provider.mtp_num_layers = None
-    mlp = block.layer_specs[0].submodules.mtp_model_layer.submodules.mlp
-    return {"mtp_experts": _compat.spec_class(_compat.moe_submodules(mlp).experts).__name__}
-
-
 def main(out: Path, result_path: Path) -> None:
     import_megatron_bridge()
     init_single_process_megatron()
@@ -320,7 +303,6 @@ def main(out: Path, result_path: Path) -> None:
                                                         trained)
     result.update(hybrid_round_trip(out))
     result.update(bridge_peft_snippet(reloaded_provider))
-    result.update(bridge_mtp(reloaded_provider))
     result_path.write_text(json.dumps(result))
 
 

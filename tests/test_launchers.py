@@ -18,7 +18,7 @@ from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from mcore_torch_experts import TorchExpertsConfigError, TorchGroupedMLP, _compat, specs
-from bridge_support import run_worker
+from bridge_support import import_bridge_peft, run_worker
 from reference import rel_err
 from test_specs import GRAD_TOL, LOGITS_TOL, experts_class, mlp_kinds, plain_config, spec_structure
 from tiny_gpt import forward_backward, freeze_experts, gpt, sequential_to_grouped
@@ -247,8 +247,19 @@ def test_bridge_peft_snippet_wraps_the_experts_per_expert(bridge_run):
     assert bridge_run["doc_peft_expert_adapter"] == "GroupedExpertLinearAdapter"
 
 
-def test_bridge_mtp_layers_inherit_the_named_spec(bridge_run):
+def test_bridge_mtp_layers_inherit_the_named_spec(megatron_cpu):
+    """Bridge's GPT provider derives its MTP block from the last layer of the named spec; it
+    builds that block with Transformer Engine modules, so this runs where TE is installed."""
     if importlib.util.find_spec("transformer_engine") is None:
-        pytest.skip(f"Bridge builds its MTP spec from Transformer Engine modules: "
-                    f"{bridge_run['mtp_experts']}")
-    assert bridge_run["mtp_experts"] == "TorchGroupedMLP"
+        pytest.skip("Bridge builds its MTP block spec from Transformer Engine modules")
+    import_bridge_peft()
+    from megatron.bridge.models.gpt_provider import GPTModelProvider, mtp_block_spec
+
+    config = plain_config()
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    provider = GPTModelProvider(**{**fields, "mtp_num_layers": 1}, vocab_size=128,
+                                transformer_layer_spec=specs.torch_experts_gpt_spec)
+    provider.finalize()
+    block = mtp_block_spec(provider)
+    mlp = block.layer_specs[0].submodules.mtp_model_layer.submodules.mlp
+    assert _compat.spec_class(_compat.moe_submodules(mlp).experts) is TorchGroupedMLP
