@@ -14,6 +14,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.moe.experts import SequentialMLP
 
@@ -145,8 +146,14 @@ def _has_megatron_lm_gpt_builder() -> bool:
     return training is not None and (Path(training.origin).parent / "models" / "gpt.py").exists()
 
 
+CPU_WORKERS = ("the launcher workers run their tiny models on the CPU (gloo); a CUDA host starts "
+               "NCCL and Megatron's router places tensors on the GPU")
+
+
 @pytest.fixture(scope="module")
 def megatron_lm(tmp_path_factory):
+    if torch.cuda.is_available():
+        pytest.skip(CPU_WORKERS)
     if not _has_megatron_lm_gpt_builder():
         pytest.skip("megatron.training has no GPTModelBuilder (it ships with megatron-core 0.19)")
     return run_worker(Path(__file__).with_name("megatron_lm_worker.py"),
@@ -175,6 +182,8 @@ def test_megatron_lm_refusals_run_on_the_transformer_config(megatron_lm):
 
 @pytest.fixture(scope="module")
 def bridge_run(tmp_path_factory):
+    if torch.cuda.is_available():
+        pytest.skip(CPU_WORKERS)
     if importlib.util.find_spec("megatron.bridge") is None or \
             importlib.util.find_spec("transformers") is None:
         pytest.skip("needs megatron-bridge and transformers (the Python 3.12 / megatron-core "
