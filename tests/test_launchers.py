@@ -272,3 +272,43 @@ def test_bridge_mtp_layers_inherit_the_named_spec(megatron_cpu):
     block = mtp_block_spec(provider)
     mlp = block.layer_specs[0].submodules.mtp_model_layer.submodules.mlp
     assert _compat.spec_class(_compat.moe_submodules(mlp).experts) is TorchGroupedMLP
+
+
+def test_bridge_hybrid_provider_trains_bridge_lora_on_cuda(megatron_cpu):
+    """A Bridge HybridModelProvider (attention and MoE layers) naming the hybrid entry point
+    builds TorchGroupedMLP experts with Megatron's TE hybrid stack and trains Bridge's LoRA on
+    them (BF16 on CUDA; Megatron's hybrid stack spec needs Transformer Engine)."""
+    if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
+        pytest.skip("needs CUDA and Transformer Engine (Megatron's hybrid stack spec)")
+    import_bridge_peft()
+    from megatron.bridge.models.hybrid.hybrid_provider import HybridModelProvider
+    from megatron.bridge.peft.lora import LoRA
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(0)
+    provider = HybridModelProvider(
+        num_layers=2, hybrid_layer_pattern="*E", hidden_size=256, num_attention_heads=4,
+        ffn_hidden_size=512, num_moe_experts=8, moe_ffn_hidden_size=256, moe_router_topk=2,
+        moe_grouped_gemm=True, moe_aux_loss_coeff=0.0, vocab_size=128, seq_length=64,
+        hybrid_stack_spec=specs.torch_experts_hybrid_stack_spec)
+    provider.finalize()
+    model, = provider.provide_distributed_model(wrap_with_ddp=False,
+                                                mixed_precision_wrapper=None)
+    moe_layer = next(layer for layer in model.decoder.layers if hasattr(layer, "mlp")
+                     and hasattr(layer.mlp, "experts"))
+    assert type(moe_layer.mlp.experts) is TorchGroupedMLP
+    model = LoRA(target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+                 dim=8, alpha=16, share_expert_adapters=False)(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(trainable, lr=1e-2)
+    tokens = torch.randint(0, 128, (2, 65), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(0))
+    positions = torch.arange(64, device="cuda").expand(2, 64)
+    losses = []
+    for _ in range(6):
+        loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
