@@ -82,24 +82,30 @@ def test_gpt_spec_passes_the_pipeline_stage_to_megatron(megatron_cpu, monkeypatc
     assert seen["vp_stage"] == 0
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("add_bias_linear", True, "add_bias_linear=True: expert weights must be bias-free"),
-    ("moe_grouped_gemm", False, "moe_grouped_gemm=False: set moe_grouped_gemm=True"),
-    ("moe_expert_gemm_backend", "Torch", "moe_expert_gemm_backend='Torch' is not a backend"),
-    ("transformer_impl", "inference_optimized",
-     "transformer_impl='inference_optimized': TorchGroupedMLP trains adapters"),
-])
-@pytest.mark.parametrize("entry", ["gpt", "hybrid"])
-def test_entry_points_refuse_on_the_config_they_are_given(megatron_cpu, field, value, message,
-                                                          entry):
+CONFIG_REFUSALS = {
+    "add_bias_linear": (True, "add_bias_linear=True: expert weights must be bias-free"),
+    "moe_grouped_gemm": (False, "moe_grouped_gemm=False: set moe_grouped_gemm=True"),
+    "moe_expert_gemm_backend": ("Torch", "moe_expert_gemm_backend='Torch' is not a backend"),
+}
+ENTRY_POINTS = {"gpt": specs.torch_experts_gpt_spec,
+                "hybrid": specs.torch_experts_hybrid_stack_spec}
+
+
+@pytest.mark.parametrize("field", list(CONFIG_REFUSALS))
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_entry_points_refuse_on_the_config_they_are_given(megatron_cpu, field, entry):
+    value, message = CONFIG_REFUSALS[field]
     config = plain_config(transformer_impl="local")
     setattr(config, field, value)
-    entry_point = {"gpt": specs.torch_experts_gpt_spec,
-                   "hybrid": specs.torch_experts_hybrid_stack_spec}[entry]
-    if entry == "hybrid" and field == "transformer_impl":
-        pytest.skip("the hybrid entry point uses Megatron's TE hybrid stack spec, as Bridge does")
     with pytest.raises(TorchExpertsConfigError, match=message):
-        entry_point(config)
+        ENTRY_POINTS[entry](config)
+
+
+def test_gpt_entry_point_refuses_the_inference_transformer_impl(megatron_cpu):
+    with pytest.raises(TorchExpertsConfigError,
+                       match="transformer_impl='inference_optimized': TorchGroupedMLP trains "
+                             "adapters; set transformer_impl to one of"):
+        specs.torch_experts_gpt_spec(plain_config(transformer_impl="inference_optimized"))
 
 
 def test_hybrid_stack_spec_without_the_backend_field_swaps_only_the_moe_experts(megatron_cpu):
