@@ -205,6 +205,7 @@ def nemo_rl_calls(out: Path) -> dict:
                            generator=torch.Generator().manual_seed(7))
     hf = example.hf_logits(hf_path, tokens)
     policy_init = (peft_cfg["lora_A_init_method"], peft_cfg["lora_B_init_method"])
+    models = {}
     for role, init in (("policy", policy_init), ("reference", ("zero", "zero"))):
         peft = LoRA(target_modules=peft_cfg["target_modules"],
                     exclude_modules=peft_cfg["exclude_modules"], dim=peft_cfg["dim"],
@@ -222,11 +223,23 @@ def nemo_rl_calls(out: Path) -> dict:
                            mixed_precision_wrapper=None, wrap_with_ddp=False,
                            use_cpu_initialization=True,
                            pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+        models[role] = model
         experts = model.decoder.layers[0].mlp.experts
         result[f"nemo_rl_{role}_experts"] = experts_classes(model)
         result[f"nemo_rl_{role}_expert_adapter"] = type(experts.linear_fc1.adapter).__name__
         result[f"nemo_rl_{role}_logits_max_abs"] = example.max_abs(
             example.megatron_logits(model, tokens), hf)
+    # The policy's refit to the generation engine (MegatronPolicyWorkerImpl): Bridge's export
+    # with the conversion tasks it caches; the adapters (B = 0) merged, every HF tensor back.
+    from safetensors.torch import load_file
+
+    tasks = bridge.get_conversion_tasks([models["policy"]])
+    exported = dict(bridge.export_hf_weights([models["policy"]], show_progress=False,
+                                             conversion_tasks=tasks))
+    original = load_file(hf_path / "model.safetensors")
+    result["nemo_rl_refit_keys_equal"] = sorted(exported) == sorted(original)
+    result["nemo_rl_refit_unequal"] = [k for k in original
+                                       if not torch.equal(exported.get(k).cpu(), original[k])]
     return result
 
 

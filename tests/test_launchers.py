@@ -318,3 +318,8 @@ def test_bridge_hybrid_provider_trains_bridge_lora_on_cuda(megatron_cpu):
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
+
+
+def test_nemo_rl_refit_export_gives_every_hf_tensor_back(bridge_run):
+    assert bridge_run["nemo_rl_refit_keys_equal"]
+    assert bridge_run["nemo_rl_refit_unequal"] == []
