@@ -1,37 +1,18 @@
-"""A Megatron-Bridge style model provider (a dataclass config with `provide()`) whose
-`transformer_layer_spec` gives MoE layers TorchGroupedMLP experts when
-`moe_expert_gemm_backend="torch"`, switched on through NeMo-RL style model overrides. Runs a tiny
-GPT-MoE on the CPU; Megatron-Bridge itself is not needed (and not imported).
+"""A Megatron-Bridge style model provider (a dataclass config with `provide()`) that declares
+`moe_expert_gemm_backend` and names the reference spec that follows it: MoE layers get
+TorchGroupedMLP experts when the field says "torch", set here with `dataclasses.replace` (as
+NeMo-RL applies `model_overrides`). Runs a tiny GPT-MoE on the CPU; Megatron-Bridge itself is
+not needed (and not imported).
 
     python examples/bridge_style_provider.py
 
-With the real Megatron-Bridge, any GPTModelProvider subclass (e.g. Qwen3MoEModelProvider) takes
-the same two fields:
-
-    from dataclasses import dataclass
-    from megatron.bridge.models.qwen import Qwen3MoEModelProvider
-    from mcore_torch_experts.specs import gpt_transformer_layer_spec
-
-    @dataclass
-    class Qwen3MoETorchExpertsProvider(Qwen3MoEModelProvider):
-        moe_expert_gemm_backend: str = "transformer_engine"      # "torch": TorchGroupedMLP
-        transformer_layer_spec: Union[ModuleSpec, Callable] = gpt_transformer_layer_spec  # follows the flag
-
-Bridge calls `transformer_layer_spec(provider, vp_stage=...)` inside `provide()`. On a provider
-instance (e.g. from `AutoBridge.from_hf_pretrained(...).to_megatron_provider()`) set
-`provider.moe_expert_gemm_backend = "torch"`, `provider.moe_grouped_gemm = True` and
-`provider.transformer_layer_spec = gpt_transformer_layer_spec` before `provider.finalize()`.
-NeMo-RL builds its provider as `dataclasses.replace(provider, **policy.megatron_cfg.model_overrides)`,
-which accepts only fields the provider class declares: with the subclass above,
-
-    policy:
-      megatron_cfg:
-        moe_grouped_gemm: true            # a first-class NeMo-RL key, not an override
-        model_overrides:
-          moe_expert_gemm_backend: torch
-
-`main()` below applies the override (and moe_grouped_gemm) with `dataclasses.replace`, as
-NeMo-RL does. See docs/enable.md.
+With the real Megatron-Bridge no subclass is needed: name the launcher entry point on the
+provider AutoBridge returns, `provider.transformer_layer_spec =
+mcore_torch_experts.specs.torch_experts_gpt_spec` (docs/enable.md, "Megatron-Bridge"); Bridge
+calls it as `transformer_layer_spec(provider, vp_stage=...)` inside `provide()`. A provider class
+of your own, as below, is for code that builds its provider itself: NeMo-RL rebuilds providers
+from a checkpoint's run_config.yaml, whose `_target_` Bridge admits only under its allowlisted
+prefixes, and its `model_overrides` take only fields of the recorded class.
 """
 
 import dataclasses
@@ -79,7 +60,7 @@ def main():
         moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, normalization="RMSNorm", add_bias_linear=False,
         bf16=True, params_dtype=torch.bfloat16, use_cpu_initialization=on_cpu)
-    provider = dataclasses.replace(provider, **MODEL_OVERRIDES)  # NeMo-RL: model_overrides
+    provider = dataclasses.replace(provider, **MODEL_OVERRIDES)  # as NeMo-RL's model_overrides
 
     torch.manual_seed(0)
     model = provider.provide().to("cpu" if on_cpu else "cuda")

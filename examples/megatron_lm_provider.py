@@ -1,12 +1,15 @@
-"""A Megatron-LM style `model_provider` (as in pretrain_gpt.py) whose MoE layers get TorchGroupedMLP
-experts when `--moe-expert-gemm-backend torch` is given. Runs a tiny GPT-MoE on the CPU.
+"""A launcher's own Megatron-LM style `model_provider` whose MoE layers get TorchGroupedMLP experts
+(`--moe-expert-gemm-backend transformer_engine` keeps Megatron's). Runs a tiny GPT-MoE on the CPU.
 
     python examples/megatron_lm_provider.py [--moe-expert-gemm-backend transformer_engine]
 
-In Megatron-LM three lines change (the rest of pretrain_gpt.py stays):
-    pretrain(..., extra_args_provider=add_torch_experts_args)               # the flag
-    config = core_transformer_config_from_args(args, TorchExpertsTransformerConfig)
-    transformer_layer_spec = gpt_transformer_layer_spec(config, vp_stage, use_te)  # the spec
+Stock Megatron-LM 0.19 needs none of this: `pretrain_gpt.py ... --spec mcore_torch_experts.specs
+torch_experts_gpt_spec` (docs/enable.md). A launcher that keeps its own provider gives it the
+signature Megatron-LM's `get_model` calls, `model_provider(pre_process, post_process, vp_stage,
+config=None, pg_collection=None)`, and passes `torch_experts_gpt_spec(config, vp_stage)` as the
+`transformer_layer_spec`; the spec follows `config.transformer_impl` (TE or local modules) and
+the config's `moe_expert_gemm_backend`, which an argparse flag of the launcher's own
+(`add_torch_experts_args`, given to `parse_and_validate_args(extra_args_provider=...)`) can set.
 Megatron-LM's `get_args()` / `core_transformer_config_from_args` are stood in for below.
 """
 
@@ -19,14 +22,14 @@ from megatron.core.models.gpt import GPTModel
 from cpu_support import describe_layers, frozen_experts_step, init_single_process_megatron
 from mcore_torch_experts import TorchExpertsTransformerConfig
 from mcore_torch_experts.config import BACKENDS
-from mcore_torch_experts.specs import gpt_transformer_layer_spec
+from mcore_torch_experts.specs import torch_experts_gpt_spec
 
 _ARGS = None  # Megatron-LM: megatron.training.get_args()
 
 
 def add_torch_experts_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron-LM `extra_args_provider`: the flag lands in args.moe_expert_gemm_backend, which
-    core_transformer_config_from_args copies into the config field of the same name."""
+    """An `extra_args_provider` for `parse_and_validate_args`: the flag lands in
+    args.moe_expert_gemm_backend, the config field of the same name."""
     group = parser.add_argument_group(title="torch experts")
     group.add_argument("--moe-expert-gemm-backend", choices=BACKENDS, default="transformer_engine",
                        help="'torch': frozen BF16 experts through torch grouped GEMM.")
@@ -45,20 +48,21 @@ def core_transformer_config_from_args(args, config_class=TorchExpertsTransformer
         moe_aux_loss_coeff=0.0, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
         normalization="RMSNorm", add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16,
         use_cpu_initialization=on_cpu, moe_expert_gemm_backend=args.moe_expert_gemm_backend,
+        transformer_impl=args.transformer_impl,
     )
 
 
-def model_provider(pre_process=True, post_process=True, vp_stage=None) -> GPTModel:
-    """Build the model, as pretrain_gpt.py's model_provider does."""
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,
+                   pg_collection=None) -> GPTModel:
+    """Build the model; the arguments are those Megatron-LM's `get_model` passes."""
     args = _ARGS
-    config = core_transformer_config_from_args(args, TorchExpertsTransformerConfig)
-    use_te = args.transformer_impl == "transformer_engine"
-    transformer_layer_spec = gpt_transformer_layer_spec(config, vp_stage=vp_stage,
-                                                        use_transformer_engine=use_te)
-    return GPTModel(config=config, transformer_layer_spec=transformer_layer_spec,
+    if config is None:
+        config = core_transformer_config_from_args(args, TorchExpertsTransformerConfig)
+    return GPTModel(config=config, transformer_layer_spec=torch_experts_gpt_spec(config, vp_stage),
                     vocab_size=args.padded_vocab_size, max_sequence_length=args.seq_length,
                     pre_process=pre_process, post_process=post_process,
-                    position_embedding_type="rope", vp_stage=vp_stage)
+                    position_embedding_type="rope", vp_stage=vp_stage,
+                    pg_collection=pg_collection)
 
 
 def main():

@@ -129,6 +129,28 @@ def gpt_layer_spec_kwargs(builder, config, **kwargs) -> dict:
     return {k: v for k, v in wanted.items() if k in params}
 
 
+# --- Launchers' spec callbacks -------------------------------------------------------------------
+# Megatron-LM 0.19 (megatron.training.models.gpt.GPTModelBuilder, what `--spec MODULE NAME` feeds)
+# calls a callable `transformer_layer_spec` with its GPTModelConfig, which holds the model's
+# TransformerConfig as the field `transformer` and proxies attribute reads to it (0.18 added
+# HybridModelConfig the same way). Megatron-Bridge providers are TransformerConfig subclasses.
+
+
+def launcher_transformer_config(config):
+    """The TransformerConfig behind what a launcher hands a spec callback: `config` itself, or
+    the `transformer` field of a Megatron-LM model config (GPTModelConfig, HybridModelConfig)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if isinstance(config, TransformerConfig):
+        return config
+    inner = getattr(config, "transformer", None)
+    if isinstance(inner, TransformerConfig):
+        return inner
+    raise TypeError(
+        f"a spec callback takes a TransformerConfig (or a Megatron-LM model config holding one "
+        f"as `transformer`), got {type(config).__name__}; pass the model's TransformerConfig.")
+
+
 # --- Hybrid (Mamba / attention / MLP / MoE) stacks ----------------------------------------------
 # 0.16/0.17: MambaModel + MambaStack, spec `models.mamba.mamba_layer_specs.mamba_stack_spec`.
 # 0.18+:     HybridModel + HybridStack, spec `models.hybrid.hybrid_layer_specs.hybrid_stack_spec`

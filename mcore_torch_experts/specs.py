@@ -2,6 +2,11 @@
 `config.moe_expert_gemm_backend == "torch"`, and Megatron's choice otherwise; MoE layers become
 FP32CombineMoELayer when `config.moe_combine_in_fp32` is set.
 
+Launcher entry points (`torch_experts_gpt_spec`, `torch_experts_hybrid_stack_spec`) are named by
+import path from Megatron-LM's `--spec` or a Megatron-Bridge provider, whose configs have no
+`moe_expert_gemm_backend` field: they build TorchGroupedMLP unless the config says
+"transformer_engine".
+
 The spec decides which module runs; TorchGroupedMLP never looks at global state. Specs are never
 changed in place: Megatron shares one MoE layer spec between all MoE layers of a block.
 """
@@ -16,6 +21,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from . import _compat
 from .config import (
+    TorchExpertsConfigError,
     check_backend,
     refuse_unsupported_flags,
     validate_fp32_combine_config,
@@ -30,10 +36,10 @@ def torch_experts_spec() -> ModuleSpec:
     return ModuleSpec(module=TorchGroupedMLP)
 
 
-def wants_torch_experts(config: TransformerConfig) -> bool:
-    """Whether `config.moe_expert_gemm_backend` (a field or a plain attribute; absent means
-    "transformer_engine") says "torch"; any value other than BACKENDS is a TorchExpertsConfigError."""
-    backend = getattr(config, "moe_expert_gemm_backend", "transformer_engine")
+def wants_torch_experts(config: TransformerConfig, absent: str = "transformer_engine") -> bool:
+    """Whether `config.moe_expert_gemm_backend` (a field or a plain attribute; `absent` when the
+    config has neither) says "torch"; any value other than BACKENDS is a TorchExpertsConfigError."""
+    backend = getattr(config, "moe_expert_gemm_backend", absent)
     check_backend(backend)
     return backend == "torch"
 
@@ -69,10 +75,11 @@ def _follow_config(config: TransformerConfig, layer_spec: ModuleSpec,
     return layer_spec
 
 
-def _check_torch_experts(config: TransformerConfig, spec_kwargs: Mapping[str, object]) -> bool:
+def _check_torch_experts(config: TransformerConfig, spec_kwargs: Mapping[str, object],
+                         absent: str = "transformer_engine") -> bool:
     """Whether `config` asks for TorchGroupedMLP, after refusing what it cannot honour (in the
     config or in the spec builder's arguments, e.g. use_te_op_fuser=True)."""
-    if not wants_torch_experts(config):
+    if not wants_torch_experts(config, absent):
         return False
     validate_torch_experts_config(config)
     refuse_unsupported_flags(spec_kwargs)
@@ -95,6 +102,13 @@ def get_gpt_layer_local_spec(config: TransformerConfig, **kwargs) -> ModuleSpec:
     return _follow_config(config, spec, torch_experts)
 
 
+def _decoder_block_spec(config: TransformerConfig, use_transformer_engine: bool,
+                        torch_experts: bool, **kwargs):
+    block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine, **kwargs)
+    layers = [_follow_config(config, s, torch_experts) for s in block.layer_specs]
+    return dataclasses.replace(block, layer_specs=layers)
+
+
 def get_gpt_decoder_block_spec(config: TransformerConfig, use_transformer_engine: bool, **kwargs):
     """Megatron's decoder block spec (dense and MoE layers per moe_layer_freq, this pipeline
     stage's layers), MoE experts following moe_expert_gemm_backend.
@@ -102,9 +116,7 @@ def get_gpt_decoder_block_spec(config: TransformerConfig, use_transformer_engine
     `kwargs` go to Megatron's builder: normalization, qk_l2_norm, vp_stage, pp_rank.
     """
     torch_experts = _check_torch_experts(config, kwargs)
-    block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine, **kwargs)
-    layers = [_follow_config(config, s, torch_experts) for s in block.layer_specs]
-    return dataclasses.replace(block, layer_specs=layers)
+    return _decoder_block_spec(config, use_transformer_engine, torch_experts, **kwargs)
 
 
 def gpt_transformer_layer_spec(config: TransformerConfig, vp_stage: Optional[int] = None,
@@ -128,6 +140,57 @@ def gpt_transformer_layer_spec(config: TransformerConfig, vp_stage: Optional[int
                                     qk_l2_norm=config.qk_l2_norm)
 
 
+LAUNCHER_TRANSFORMER_IMPLS = ("transformer_engine", "local")
+
+
+def _launcher_uses_transformer_engine(config: TransformerConfig) -> bool:
+    """Whether `config.transformer_impl` (Megatron-LM's `--transformer-impl`, a Bridge provider's
+    field) asks for Transformer Engine modules; "inference_optimized" is refused."""
+    impl = config.transformer_impl
+    if impl not in LAUNCHER_TRANSFORMER_IMPLS:
+        raise TorchExpertsConfigError(
+            f"torch_experts_gpt_spec does not support transformer_impl={impl!r}: TorchGroupedMLP "
+            f"trains adapters; set transformer_impl to one of {LAUNCHER_TRANSFORMER_IMPLS}, or "
+            "leave the launcher's default spec in place.")
+    return impl == "transformer_engine"
+
+
+def torch_experts_gpt_spec(config, vp_stage: Optional[int] = None):
+    """A GPT `transformer_layer_spec` for launchers, named by import path: Megatron's decoder
+    block spec (dense and MoE layers per moe_layer_freq, this stage's layers) with TorchGroupedMLP
+    experts, unless `moe_expert_gemm_backend` is set to "transformer_engine" (the field is
+    absent from a plain TransformerConfig: absent means "torch"). Transformer Engine or local
+    modules as `transformer_impl` says.
+
+    `config`: a TransformerConfig or Bridge provider (`provider.transformer_layer_spec(provider,
+    vp_stage=...)`), or Megatron-LM 0.19's GPTModelConfig (`--spec mcore_torch_experts.specs
+    torch_experts_gpt_spec`), whose `transformer` field is the config every check runs on.
+    """
+    config = _compat.launcher_transformer_config(config)
+    use_transformer_engine = _launcher_uses_transformer_engine(config)
+    torch_experts = _check_torch_experts(config, {}, absent="torch")
+    return _decoder_block_spec(config, use_transformer_engine, torch_experts,
+                               normalization=config.normalization, qk_l2_norm=config.qk_l2_norm,
+                               vp_stage=vp_stage)
+
+
+def torch_experts_hybrid_stack_spec(config):
+    """A hybrid `hybrid_stack_spec` for launchers (a Bridge HybridModelProvider calls it as
+    `hybrid_stack_spec(provider)`): Megatron's hybrid stack spec (Transformer Engine modules, as
+    Bridge's default) with TorchGroupedMLP experts in its MoE layer, unless
+    `moe_expert_gemm_backend` says "transformer_engine" (absent means "torch")."""
+    config = _compat.launcher_transformer_config(config)
+    torch_experts = _check_torch_experts(config, {}, absent="torch")
+    return _hybrid_stack_spec(config, _compat.megatron_hybrid_stack_spec(), torch_experts)
+
+
+def _hybrid_stack_spec(config: TransformerConfig, stack_spec, torch_experts: bool):
+    moe_layer = _follow_config(config, stack_spec.submodules.moe_layer, torch_experts)
+    return dataclasses.replace(stack_spec,
+                               submodules=dataclasses.replace(stack_spec.submodules,
+                                                              moe_layer=moe_layer))
+
+
 def get_hybrid_stack_spec(config: TransformerConfig, stack_spec=None):
     """What a hybrid (Nemotron-H style) model provider passes to HybridModel as
     `hybrid_stack_spec`: Megatron's hybrid stack spec (or `stack_spec`, one with the same
@@ -137,7 +200,4 @@ def get_hybrid_stack_spec(config: TransformerConfig, stack_spec=None):
     torch_experts = _check_torch_experts(config, {})
     if stack_spec is None:
         stack_spec = _compat.megatron_hybrid_stack_spec()
-    moe_layer = _follow_config(config, stack_spec.submodules.moe_layer, torch_experts)
-    return dataclasses.replace(stack_spec,
-                               submodules=dataclasses.replace(stack_spec.submodules,
-                                                              moe_layer=moe_layer))
+    return _hybrid_stack_spec(config, stack_spec, torch_experts)

@@ -10,6 +10,7 @@ from mcore_torch_experts.specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
     gpt_transformer_layer_spec,
+    torch_experts_gpt_spec,
     with_torch_experts,
 )
 
@@ -18,5 +19,6 @@ __all__ = [
     "get_gpt_layer_local_spec",
     "get_gpt_layer_with_transformer_engine_spec",
     "gpt_transformer_layer_spec",
+    "torch_experts_gpt_spec",
     "with_torch_experts",
 ]

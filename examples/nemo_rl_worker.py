@@ -1,0 +1,44 @@
+"""A NeMo-RL policy-worker extension that builds the Megatron policy (and its reference model) with
+TorchGroupedMLP experts, in the style of NeMo-RL's own `MegatronQuantPolicyWorker`. Copy this
+file into your project (it must be importable in the Megatron worker's environment) and select
+it from your launcher; see docs/enable.md, "NeMo-RL".
+
+NeMo-RL's `MegatronPolicyWorkerImpl.__init__` reads `self._transformer_layer_spec` and
+`self._mamba_stack_spec` and hands them to its HF -> Megatron import (`handle_model_import` ->
+`import_model_from_hf_name`), which sets them on the provider before saving the converted
+checkpoint. The spec is then recorded in that checkpoint's run_config.yaml, from which NeMo-RL
+rebuilds the provider (`load_model_config` -> `instantiate`) for the policy and the reference
+model; `instantiate` admits the package's functions once its prefix is registered, which this
+worker does in its own process before anything is loaded.
+
+Needs NeMo-RL and Ray; tests/test_launchers.py runs `enable_torch_experts` and the calls NeMo-RL
+then makes with its result, not this class (NeMo-RL cannot be installed on the test host).
+"""
+
+import ray
+from nemo_rl.models.policy.utils import get_runtime_env_for_policy_worker
+from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorkerImpl
+
+
+def enable_torch_experts(worker) -> None:
+    """Let this process's Megatron-Bridge rebuild providers naming the package's specs, register
+    TorchGroupedLinear with Bridge's PEFT, and give `worker` the specs NeMo-RL's HF import puts
+    on the provider (GPT: torch_experts_gpt_spec; hybrid: torch_experts_hybrid_stack_spec)."""
+    from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix
+
+    from mcore_torch_experts import register_with_megatron_bridge
+    from mcore_torch_experts.specs import torch_experts_gpt_spec, torch_experts_hybrid_stack_spec
+
+    register_allowed_target_prefix("mcore_torch_experts")
+    register_with_megatron_bridge()
+    worker._transformer_layer_spec = torch_experts_gpt_spec
+    worker._mamba_stack_spec = torch_experts_hybrid_stack_spec
+
+
+@ray.remote(runtime_env=get_runtime_env_for_policy_worker("megatron_policy_worker"))
+class TorchExpertsMegatronPolicyWorker(MegatronPolicyWorkerImpl):
+    """NeMo-RL's Megatron policy worker, its MoE experts TorchGroupedMLP."""
+
+    def __init__(self, config, *args, **kwargs):
+        enable_torch_experts(self)
+        super().__init__(config, *args, **kwargs)
