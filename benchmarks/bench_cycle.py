@@ -212,7 +212,9 @@ def run_slice(key: str, layers: int, stack: str, arms, layouts, args, device, cl
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     tokens = args.micro_batches * args.micro_batch_size * args.seq * world
     result = {"slice": key, "layers": layers, "label": f"{model.label}, {layers} MoE layers",
-              "header": cm.describe(model, layers, stack, args), "rows": []}
+              "header": cm.describe(model, layers, stack, args) + [
+                  f"{args.cycles} measured rounds" + ("" if args.profile else "; not profiled")],
+              "rows": []}
     cycles, notes, first, reference = {}, {}, {}, None
     for layout in layouts:
         for arm in arms:
@@ -247,9 +249,11 @@ def run_slice(key: str, layers: int, stack: str, arms, layouts, args, device, cl
                                        "note": notes[variant]})
                 continue
             row = variant_row(variant, cycles[variant], runs[variant], tokens, device)
-            row["logprob_diff"] = statistics.mean(
-                float((a - b).abs().mean()) for a, b in zip(first[variant], first[reference]))
-            row["logprob_diff_vs"] = f"{cm.ARMS[reference[0]]} ({reference[1]})"
+            if layout == "per_expert" or "sequential" not in (arm, reference[0]):
+                # SequentialMLP has one adapter per expert linear: like for like only then
+                row["logprob_diff"] = statistics.mean(
+                    float((a - b).abs().mean()) for a, b in zip(first[variant], first[reference]))
+                row["logprob_diff_vs"] = f"{cm.ARMS[reference[0]]} ({reference[1]})"
             if args.profile:
                 row["profile"] = cp.profile_update(cycles[variant], row["update_ms"]["median"],
                                                    device)
@@ -277,7 +281,7 @@ def results_table(rows) -> list:
                 "cycle ms, median (min–max)", "tokens/s", "logprob peak GiB", "update peak GiB",
                 "GPU idle in the update pass"]
                + [f"cycle throughput x {cm.ARMS[a]}" for a in references]
-               + ["mean abs logprob diff"])
+               + ["mean abs logprob diff vs the first row"])
     lines = []
     for r in rows:
         if "note" in r:
@@ -312,7 +316,7 @@ def run_lines(args, world) -> list:
     ]
 
 
-def slice_report(result, out_dir, profile) -> tuple:
+def slice_report(result, out_dir) -> tuple:
     """Markdown lines of one slice and the plot written (or None)."""
     lines = [f"## {result['label']}", ""] + [f"- {h}" for h in result["header"]] + [""]
     lines += results_table(result["rows"]) + [""]
@@ -335,8 +339,6 @@ def slice_report(result, out_dir, profile) -> tuple:
         name = f"breakdown-{result['slice']}-{result['layers']}.png"
         if cp.plot_breakdown(labelled, out_dir / name, f"update pass: {result['label']}"):
             plot = name
-    elif profile:
-        lines += ["(no arm ran: no profile)", ""]
     return lines, plot
 
 
@@ -347,7 +349,7 @@ def write_results(args, lines_header, results):
     lines = ["# RL cycle benchmark", ""] + [f"- {h}" for h in lines_header] + [""]
     written = ["results.md", "results.json"]
     for result in results:
-        more, plot = slice_report(result, args.out_dir, args.profile)
+        more, plot = slice_report(result, args.out_dir)
         lines += more
         written += [plot] if plot else []
     text = "\n".join(lines)
@@ -361,12 +363,15 @@ def write_results(args, lines_header, results):
 # --- main ----------------------------------------------------------------------------------------
 
 def parse_slices(text: str, parser) -> list:
+    """[(model, MoE layers, measured rounds or None)] from "MODEL:LAYERS[:CYCLES],..."."""
     slices = []
     for item in text.split(","):
-        key, _, layers = item.partition(":")
-        if key not in cm.SLICES or not layers.isdigit() or int(layers) < 1:
-            parser.error(f"--slices {item!r}: give MODEL:LAYERS, MODEL from {list(cm.SLICES)}")
-        slices.append((key, int(layers)))
+        key, layers, *cycles = item.split(":")
+        if (key not in cm.SLICES or not layers.isdigit() or int(layers) < 1 or len(cycles) > 1
+                or not all(c.isdigit() and int(c) > 0 for c in cycles)):
+            parser.error(f"--slices {item!r}: give MODEL:LAYERS or MODEL:LAYERS:CYCLES, MODEL "
+                         f"from {list(cm.SLICES)}")
+        slices.append((key, int(layers), int(cycles[0]) if cycles else None))
     return slices
 
 
@@ -376,8 +381,8 @@ def parse_args():
                                      epilog="\n".join(__doc__.splitlines()[1:]))
     parser.add_argument("--out-dir", type=Path, default=cm.REPO_ROOT / "runs" / "cycle")
     parser.add_argument("--slices", default="qwen3-30b-a3b:4,qwen3-30b-a3b:16,nemotron-3-super:4",
-                        help="comma-separated MODEL:MoE-LAYERS, MODEL from "
-                             f"{', '.join(cm.SLICES)}")
+                        help="comma-separated MODEL:MoE-LAYERS[:CYCLES] (CYCLES overrides "
+                             f"--cycles for that slice), MODEL from {', '.join(cm.SLICES)}")
     parser.add_argument("--stack", choices=["auto", "te", "local"], default="auto",
                         help="auto: te where Transformer Engine runs (importable, CUDA)")
     parser.add_argument("--arms", default="auto",
@@ -403,6 +408,9 @@ def parse_args():
     parser.add_argument("--cycles", type=int, default=5, help="measured rounds")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                         help="break one update pass of every arm down by component")
+    parser.add_argument("--profile-max-layers", type=int, default=8,
+                        help="profile only slices of at most this many MoE layers (parsing a "
+                             "16-layer TE profile takes minutes)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny slices (and the tiny hybrid on the TE stack), seq 32, 2 "
@@ -450,9 +458,11 @@ def main():
     if rank0:
         print("\n".join(f"[cycle] {line}" for line in lines_header), flush=True)
     results = []
-    for key, layers in slices:
+    for key, layers, cycles in slices:
         print(f"[cycle] {clock()} slice {key}:{layers} on the {stack} stack", flush=True)
-        results.append(run_slice(key, layers, stack, arms, layouts, args, device, clock))
+        this = argparse.Namespace(**{**vars(args), "cycles": cycles or args.cycles,
+                                     "profile": args.profile and layers <= args.profile_max_layers})
+        results.append(run_slice(key, layers, stack, arms, layouts, this, device, clock))
         if rank0:  # after every slice: a run cut short still leaves the slices it finished
             text, written = write_results(args, lines_header, results)
     if rank0:

@@ -169,6 +169,8 @@ def copy_into_ours(seq, ours):
 
 
 def build_te(config, pg, ours):
+    if ours.linear_fc1.packed_weight.device.type != "cuda":
+        raise NotInstalled("not available: Transformer Engine needs CUDA (this run is on the CPU)")
     try:
         import transformer_engine  # noqa: F401
         from megatron.core.extensions.transformer_engine import (
