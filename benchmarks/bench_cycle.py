@@ -24,7 +24,6 @@ results.md, results.json and one breakdown-<slice>.png per slice to --out-dir.
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import time
@@ -36,7 +35,9 @@ import torch
 
 import cycle_models as cm
 import cycle_profile as cp
-from bench_common import GIB, Stopwatch, fmt, header, markdown_table, ratio, reset_peak, sync
+from harness import (GIB, Stopwatch, fmt, header, markdown_table, ratio, reset_peak,
+                     write_report)
+from shapes import SLICES, ModelSlice
 
 CLIP = 0.2
 REFERENCES = ("te", "te-cutlass", "sequential")  # the speed-up columns, when the arm ran
@@ -63,7 +64,7 @@ def init_parallel(ep: int, device: torch.device) -> None:
     init_single_process_megatron()
 
 
-def make_batches(model: cm.ModelSlice, args, device):
+def make_batches(model: ModelSlice, args, device):
     """N micro-batches of (tokens, labels, advantages [mbs, 1]), seeded per data-parallel rank."""
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     generator = torch.Generator().manual_seed(args.seed + 1000 * rank)
@@ -206,7 +207,7 @@ def variant_row(variant, cycle: Cycle, run: dict, tokens: int, device) -> dict:
 def run_slice(key: str, layers: int, stack: str, arms, layouts, args, device, clock) -> dict:
     """One slice: every (arm, expert-adapter layout) built, first logprobs compared with the
     first variant's, measured interleaved, profiled; models freed at the end."""
-    model = cm.SLICES[key]
+    model = SLICES[key]
     config = cm.make_config(model, layers, stack, args, device)
     batches = make_batches(model, args, device)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -346,17 +347,13 @@ def write_results(args, lines_header, results):
     """results.md, results.json and the breakdown plots under --out-dir: the report's text and
     the names written."""
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    lines = ["# RL cycle benchmark", ""] + [f"- {h}" for h in lines_header] + [""]
-    written = ["results.md", "results.json"]
+    body, written = [], ["results.md", "results.json"]
     for result in results:
         more, plot = slice_report(result, args.out_dir)
-        lines += more
+        body += more
         written += [plot] if plot else []
-    text = "\n".join(lines)
-    (args.out_dir / "results.md").write_text(text)
-    (args.out_dir / "results.json").write_text(json.dumps(
-        {"header": lines_header, "args": {k: str(v) for k, v in vars(args).items()},
-         "slices": results}, indent=1))
+    text = write_report(args.out_dir, "results", "RL cycle benchmark", lines_header, body,
+                        {"args": {k: str(v) for k, v in vars(args).items()}, "slices": results})
     return text, written
 
 
@@ -367,10 +364,10 @@ def parse_slices(text: str, parser) -> list:
     slices = []
     for item in text.split(","):
         key, layers, *cycles = item.split(":")
-        if (key not in cm.SLICES or not layers.isdigit() or int(layers) < 1 or len(cycles) > 1
+        if (key not in SLICES or not layers.isdigit() or int(layers) < 1 or len(cycles) > 1
                 or not all(c.isdigit() and int(c) > 0 for c in cycles)):
             parser.error(f"--slices {item!r}: give MODEL:LAYERS or MODEL:LAYERS:CYCLES, MODEL "
-                         f"from {list(cm.SLICES)}")
+                         f"from {list(SLICES)}")
         slices.append((key, int(layers), int(cycles[0]) if cycles else None))
     return slices
 
@@ -382,7 +379,7 @@ def parse_args():
     parser.add_argument("--out-dir", type=Path, default=cm.REPO_ROOT / "runs" / "cycle")
     parser.add_argument("--slices", default="qwen3-30b-a3b:4,qwen3-30b-a3b:16,nemotron-3-super:4",
                         help="comma-separated MODEL:MoE-LAYERS[:CYCLES] (CYCLES overrides "
-                             f"--cycles for that slice), MODEL from {', '.join(cm.SLICES)}")
+                             f"--cycles for that slice), MODEL from {', '.join(SLICES)}")
     parser.add_argument("--stack", choices=["auto", "te", "local"], default="auto",
                         help="auto: te where Transformer Engine runs (importable, CUDA)")
     parser.add_argument("--arms", default="auto",

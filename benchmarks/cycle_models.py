@@ -1,5 +1,5 @@
-"""The RL cycle's models: slices of real MoE models at their true sizes, the stacks they are
-built from, the experts arms and the adapters.
+"""The RL cycle's models: the stacks the model slices (shapes.py) are built from, the experts
+arms and the adapters.
 
 Stacks. "te": what users run, the whole model from Megatron's Transformer Engine specs (TE
 attention, TE linears and norms, TEGroupedMLP experts, TE's fused permute): GPTModel from the
@@ -20,7 +20,6 @@ arm gets the same adapter values (B non-zero, as for a trained adapter).
 """
 
 import contextlib
-import dataclasses
 import importlib.util
 import math
 import os
@@ -31,6 +30,8 @@ from typing import Optional
 
 import torch
 
+from shapes import ModelSlice
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "examples")]  # a checkout, and cpu_support
 
@@ -38,44 +39,6 @@ TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 CUTLASS_ENV = "NVTE_USE_CUTLASS_GROUPED_GEMM"
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelSlice:
-    """The sizes of a model's layers; `layers` MoE layers are built (hybrid: each after an
-    attention layer, pattern "*E" repeated)."""
-    label: str
-    hidden: int
-    heads: int
-    query_groups: int
-    head_dim: int
-    experts: int  # local experts (one GPU holds them all)
-    topk: int
-    moe_ffn: int
-    vocab: int
-    activation: str  # "swiglu" or "squared_relu"
-    hybrid: bool = False
-    latent: Optional[int] = None  # moe_latent_size: the experts see this width
-    shared_ffn: Optional[int] = None  # shared expert width
-    qk_layernorm: bool = False
-    rotary_base: Optional[int] = None  # None: no position embedding
-    router: str = "softmax"
-    note: str = ""
-
-
-SLICES = {
-    "qwen3-30b-a3b": ModelSlice(
-        "Qwen3-30B-A3B", 2048, 32, 4, 128, 128, 8, 768, 151936, "swiglu", qk_layernorm=True,
-        rotary_base=1_000_000),
-    "nemotron-3-super": ModelSlice(
-        "Nemotron-3 Super-like (one EP4 rank)", 4096, 32, 2, 128, 128, 22, 2688, 131072,
-        "squared_relu", hybrid=True, latent=1024, shared_ffn=5376, router="sigmoid",
-        note="attention and MoE layers only (no Mamba); 128 local experts as on one rank of "
-             "EP4 (the model has 512), top-22 over those 128, so every expert sees 4x the rows "
-             "of a real EP4 rank's at the same tokens per rank; no position embedding"),
-    "tiny": ModelSlice("tiny", 64, 4, 2, 16, 8, 2, 32, 128, "swiglu", qk_layernorm=True,
-                       rotary_base=10_000),
-    "tiny-hybrid": ModelSlice("tiny hybrid", 128, 4, 2, 32, 8, 4, 64, 256, "squared_relu",
-                              hybrid=True, latent=64, shared_ffn=128, router="sigmoid"),
-}
 ARMS = {"te": "TEGroupedMLP", "te-cutlass": "TEGroupedMLP, CUTLASS grouped GEMM",
         "torch": "TorchGroupedMLP", "sequential": "SequentialMLP"}
 ARM_ENV = {"te-cutlass": {CUTLASS_ENV: "1"}}
@@ -311,6 +274,6 @@ def describe(model: ModelSlice, layers: int, stack: str, args) -> list:
 
 
 def _version(dist: str) -> str:
-    from bench_common import version
+    from harness import version
 
     return version(dist)

@@ -11,9 +11,7 @@ leaves). `GPU idle` is the measured update time minus the profiled device time.
 import collections
 import time
 
-import torch
-
-from bench_common import markdown_table, pyplot, sync
+from harness import markdown_table, pyplot, sync
 
 ATTENTION, ROUTER, LATENT, DISPATCH = ("attention", "router", "latent projections",
                                        "permute/dispatch")
