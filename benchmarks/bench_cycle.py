@@ -144,7 +144,8 @@ def reduce_adapter_grads(params) -> None:
     groups = {True: parallel_state.get_data_parallel_group(),
               False: parallel_state.get_expert_data_parallel_group()}
     for dense, group in groups.items():
-        grads = [p.grad for p in params if p.grad is not None and getattr(p, "allreduce", True) == dense]
+        grads = [p.grad for p in params
+                 if p.grad is not None and getattr(p, "allreduce", True) == dense]
         if grads and torch.distributed.get_world_size(group) > 1:
             flat = torch.cat([g.flatten() for g in grads])
             torch.distributed.all_reduce(flat, group=group)
@@ -179,9 +180,9 @@ def run_interleaved(cycles: dict, args, device, clock) -> dict:
                     runs[variant][phase].append(this[phase])
                     if extra is not None:
                         runs[variant]["extra"][phase] = max(runs[variant]["extra"][phase], extra)
-            print(f"[cycle] {clock()} round {i + 1}/{rounds}{' (warm-up)' if i < args.warmup else ''}"
-                  f" {variant}: logprob {this['logprob']:.1f} ms, update {this['update']:.1f} ms",
-                  flush=True)
+            warm = " (warm-up)" if i < args.warmup else ""
+            print(f"[cycle] {clock()} round {i + 1}/{rounds}{warm} {variant[0]} ({variant[1]}): "
+                  f"logprob {this['logprob']:.1f} ms, update {this['update']:.1f} ms", flush=True)
     return runs
 
 
@@ -304,6 +305,7 @@ def results_table(rows) -> list:
 def run_lines(args, world) -> list:
     tokens = args.micro_batches * args.micro_batch_size * args.seq
     return [
+        f"transformer_engine.__version__: {cm.te_version()}",
         "full recompute: uniform, 1 layer per checkpoint (re-entrant), frozen-input guard",
         f"MoE: {args.dispatcher} dispatcher, EP={args.ep}, router FP32, no auxiliary loss",
         f"cycle: logprob pass (eval, no grad) over {args.micro_batches} micro-batches of "
@@ -434,7 +436,8 @@ def main():
     stack = cm.pick_stack(args.stack, device)
     arms = (DEFAULT_ARMS[stack] if args.arms == "auto" else args.arms).split(",")
     if set(arms) - set(cm.ARMS):
-        parser.error(f"unknown arms {sorted(set(arms) - set(cm.ARMS))}; choose from {list(cm.ARMS)}")
+        parser.error(f"unknown arms {sorted(set(arms) - set(cm.ARMS))}; choose from "
+                     f"{list(cm.ARMS)}")
     if args.smoke:
         args.slices = "tiny:2,tiny-hybrid:1" if stack == "te" else "tiny:2"
     slices = parse_slices(args.slices, parser)

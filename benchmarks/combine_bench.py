@@ -10,10 +10,11 @@ and compares, per shape:
   - the fork's workaround: the same chunk loop written inline, through ordinary autograd,
   - the fused Triton gather-reduce kernel.
 
-Reports (combine_bench.md, .json and .png in --out-dir) max abs error against FP64 (on the first --ref-tokens tokens), forward and forward+backward
-time (CUDA events, median; from an idle GPU, and queued behind a GPU sleep so only device time
-counts), extra peak memory (torch.cuda.max_memory_allocated over the inputs; also over inputs + the
-FP32 accumulator) and bitwise run-to-run reproducibility.
+Reports (combine_bench.md, .json and .png in --out-dir) max abs error against FP64 (on the first
+--ref-tokens tokens), forward and forward+backward time (CUDA events, median; from an idle GPU, and
+queued behind a GPU sleep so only device time counts), extra peak memory
+(torch.cuda.max_memory_allocated over the inputs; also over inputs + the FP32 accumulator) and
+bitwise run-to-run reproducibility.
 On a CPU-only machine use --tiny: times are wall clock, memory is the process's peak RSS
 (VmHWM after resetting it through /proc/self/clear_refs) and the kernel runs in the Triton
 interpreter. Does not import Megatron-Core (loads mcore_torch_experts.combine on its own).

@@ -8,10 +8,10 @@ local spec without TE (unfused DotProductAttention, SequentialMLP experts), GPT 
 is what runs on the CPU and where TE is absent.
 
 Arms. Every arm of a slice starts from the same base weights (the same seed and spec): "te" and
-"te-cutlass" keep the TE stack's TEGroupedMLP ("te-cutlass" runs with
-NVTE_USE_CUTLASS_GROUPED_GEMM=1, which TE reads at each grouped GEMM call, so it is set around
-that arm's passes only); "torch" converts the experts with `convert_experts_to_torch`;
-"sequential" keeps the local stack's SequentialMLP.
+"te-cutlass" keep the TE stack's TEGroupedMLP, run with NVTE_USE_CUTLASS_GROUPED_GEMM=0 and =1
+(TE reads it at each grouped GEMM call, so it is set around each arm's passes only); "torch"
+converts the experts with `convert_experts_to_torch`; "sequential" keeps the local stack's
+SequentialMLP.
 
 Adapters. Megatron-Bridge's LoRA (the NeMo-RL path; BF16 adapters as Bridge makes them) on
 linear_qkv, linear_proj, linear_fc1, linear_fc2 (shared experts' linears included), expert
@@ -41,7 +41,7 @@ CUTLASS_ENV = "NVTE_USE_CUTLASS_GROUPED_GEMM"
 
 ARMS = {"te": "TEGroupedMLP", "te-cutlass": "TEGroupedMLP, CUTLASS grouped GEMM",
         "torch": "TorchGroupedMLP", "sequential": "SequentialMLP"}
-ARM_ENV = {"te-cutlass": {CUTLASS_ENV: "1"}}
+ARM_ENV = {"te": {CUTLASS_ENV: "0"}, "te-cutlass": {CUTLASS_ENV: "1"}}  # whatever the shell set
 TE_ARMS = ("te", "te-cutlass")
 EXPERT_ADAPTERS = ("shared", "per_expert")
 
@@ -52,6 +52,15 @@ class NotAvailable(Exception):
 
 def te_importable() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
+
+
+def te_version() -> str:
+    """Transformer Engine's own version string (its distribution name varies), or "absent"."""
+    if not te_importable():
+        return "absent"
+    import transformer_engine
+
+    return getattr(transformer_engine, "__version__", "unknown")
 
 
 def bridge_importable() -> bool:

@@ -44,7 +44,8 @@ def step_of(res, name):
 
 def targets(results, sweep, target_shape):
     """The issue's targets at the target shape (uniform routing) and across the sweep; judged on
-    TorchGroupedMLP as MoELayer calls it (CPU splits), with GPU splits and the eager activation beside."""
+    TorchGroupedMLP as MoELayer calls it (CPU splits), with GPU splits and the eager activation
+    beside."""
     names = (OURS_CPU, OURS_GPU, EAGER_ACT)
     lines = ["| target | " + " | ".join(names) + " | met |", "|---|---|---|---|---|"]
     main = next((r for r in results if r["name"] == target_shape and r["routing"] == "uniform"),

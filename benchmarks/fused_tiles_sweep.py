@@ -1,9 +1,9 @@
 """Block sizes of the fused expert kernels (fused_experts_triton.py) against what they replace.
 
-At each shape (shapes.py) and routing of bench_experts.py: fc1 + activation x probs (grouped_mm, then the
-fused activation kernel) against `fc1_activation` with each candidate tiling, and fc2's input
-gradient + the activation's backward (grouped_mm, then the activation backward kernel) against
-`fc2_dgrad_activation`. CUDA events, median of --reps after warm-ups. Writes tiles.md.
+At each shape (shapes.py) and routing of bench_experts.py: fc1 + activation x probs (grouped_mm,
+then the fused activation kernel) against `fc1_activation` with each candidate tiling, and fc2's
+input gradient + the activation's backward (grouped_mm, then the activation backward kernel)
+against `fc2_dgrad_activation`. CUDA events, median of --reps after warm-ups. Writes tiles.md.
 
     python benchmarks/fused_tiles_sweep.py --out-dir runs/tiles
 """
@@ -97,8 +97,8 @@ def main():
                 dh, _ = run()
                 err = float((dh.float() - ref_dh.float()).norm() / ref_dh.float().norm())
                 ms = time(run)
-                rows_out.append([name, routing, "dgrad_glu" if shape.glu else "dgrad", str(tiles), fmt(base_bwd), fmt(ms),
-                                 fmt(base_bwd / ms, ".3f"), f"{err:.1e}"])
+                rows_out.append([name, routing, "dgrad_glu" if shape.glu else "dgrad", str(tiles),
+                                 fmt(base_bwd), fmt(ms), fmt(base_bwd / ms, ".3f"), f"{err:.1e}"])
                 print("[tiles]", rows_out[-1], flush=True)
     lines = ["# Fused expert kernel tilings", ""] + [f"- {h}" for h in bench_header(device)] + [""]
     lines += markdown_table(["shape", "routing", "kernel", "tiles (m, n, k, warps, stages)",
