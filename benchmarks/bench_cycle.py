@@ -302,6 +302,34 @@ def results_table(rows) -> list:
     return markdown_table(headers, lines)
 
 
+TARGETS = {"te": 1.47, "te-cutlass": 1.2}  # issue 19: TorchGroupedMLP's throughput over these
+
+
+def target_lines(rows) -> list:
+    """Markdown bullets: issue 19's targets (set at the Super-like slice) for each layout where
+    TorchGroupedMLP and a TE arm ran: throughput ratios and peak memory no higher."""
+    ran = {(r["arm"], r["layout"]): r for r in rows if "note" not in r}
+    lines = []
+    for (arm, layout), ours in ran.items():
+        if arm != "torch":
+            continue
+        for reference, goal in TARGETS.items():
+            other = ran.get((reference, layout))
+            if other is None:
+                continue
+            speedup = other["cycle_ms"]["median"] / ours["cycle_ms"]["median"]
+            peaks = [(ours.get(f"{p}_peak_gib"), other.get(f"{p}_peak_gib"))
+                     for p in ("logprob", "update")]
+            lower = all(a is not None and b is not None and a <= b for a, b in peaks)
+            lines.append(
+                f"- {layout} adapters: cycle throughput {speedup:.2f}x {cm.ARMS[reference]} "
+                f"(target >= {goal}: {'met' if speedup >= goal else 'MISSED'}); peak GiB "
+                f"logprob {fmt(peaks[0][0], '.1f')} vs {fmt(peaks[0][1], '.1f')}, update "
+                f"{fmt(peaks[1][0], '.1f')} vs {fmt(peaks[1][1], '.1f')} (no higher: "
+                f"{'met' if lower else 'MISSED'})")
+    return lines
+
+
 def run_lines(args, world) -> list:
     tokens = args.micro_batches * args.micro_batch_size * args.seq
     return [
@@ -323,6 +351,10 @@ def slice_report(result, out_dir) -> tuple:
     """Markdown lines of one slice and the plot written (or None)."""
     lines = [f"## {result['label']}", ""] + [f"- {h}" for h in result["header"]] + [""]
     lines += results_table(result["rows"]) + [""]
+    targets = target_lines(result["rows"])
+    if targets:
+        lines += ["Issue 19's targets for TorchGroupedMLP (set at the Super-like slice):", ""]
+        lines += targets + [""]
     plot = None
     if any("profile" in r for r in result["rows"]):
         lines += ["### Update pass by component (torch profiler)", "",
