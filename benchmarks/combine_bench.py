@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from harness import GIB, MIB, Meter, markdown_table, pyplot, write_report
+from harness import GIB, MIB, Meter, markdown_table, pyplot, save_figure, write_report
 from harness import header as bench_header
 from shapes import COMBINE_SHAPES, TINY_COMBINE_SHAPES
 
@@ -256,8 +256,7 @@ def plot(results, path, unit):
             ax.set_ylabel(ylabel)
             ax.set_title(shape)
             ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(plt, fig, path)
     print(f"plot: {path}")
 
 

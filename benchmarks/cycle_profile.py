@@ -11,7 +11,7 @@ leaves). `GPU idle` is the measured update time minus the profiled device time.
 import collections
 import time
 
-from harness import markdown_table, pyplot, sync
+from harness import markdown_table, pyplot, save_figure, sync
 
 ATTENTION, ROUTER, LATENT, DISPATCH = ("attention", "router", "latent projections",
                                        "permute/dispatch")
@@ -239,7 +239,5 @@ def plot_breakdown(rows, path, title) -> bool:
     ax.set_title(title, fontsize=10)
     ax.tick_params(axis="x", labelsize=7)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path)
     return True

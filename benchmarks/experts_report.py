@@ -2,7 +2,7 @@
 against grouped_mm, the local expert sweep, the one-time packing costs, and the plots.
 """
 
-from harness import fmt, pyplot, ratio
+from harness import fmt, pyplot, ratio, save_figure
 from experts_impls import (DENSE, EAGER_ACT, FUSED, GEMMS, GROUPED, OURS_CPU, OURS_GPU, RAW,
                            SEQUENTIAL, step_flops)
 
@@ -120,10 +120,7 @@ def plots(out_dir, results, sweep):
         ax.set_title(f"{sweep[0]['shape'].label.split(' (')[0]}: {sweep[0]['shape'].rows} rows")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out_dir / "sweep.png", dpi=120)
-        plt.close(fig)
-        written.append("sweep.png")
+        written.append(save_figure(plt, fig, out_dir / "sweep.png"))
     if results:
         names = (OURS_CPU, FUSED, GROUPED, EAGER_ACT, RAW, GEMMS)
         labels = [f"{r['name']}\n{r['routing']}" for r in results]
@@ -141,10 +138,7 @@ def plots(out_dir, results, sweep):
         ax.set_ylabel("dense ceiling time / time")
         ax.set_title("fraction of the dense-GEMM ceiling, forward + input gradient")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out_dir / "ceiling.png", dpi=120)
-        plt.close(fig)
-        written.append("ceiling.png")
+        written.append(save_figure(plt, fig, out_dir / "ceiling.png"))
     return written
 
 

@@ -297,3 +297,11 @@ def pyplot():
         print("[bench] matplotlib is not importable: no plots", flush=True)
         return None
     return plt
+
+
+def save_figure(plt, fig, path) -> str:
+    """Lay out, write (PNG, 120 dpi) and close a matplotlib figure; its file name."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path).name
