@@ -27,7 +27,6 @@ import gc
 import os
 import statistics
 import time
-import traceback
 import warnings
 from pathlib import Path
 
@@ -35,8 +34,8 @@ import torch
 
 import cycle_models as cm
 import cycle_profile as cp
-from harness import (GIB, Stopwatch, fmt, header, markdown_table, ratio, reset_peak,
-                     write_report)
+from harness import (GIB, Stopwatch, error_note, fmt, header, markdown_table, ratio,
+                     reset_peak, write_report)
 from shapes import SLICES, ModelSlice
 
 CLIP = 0.2
@@ -165,25 +164,33 @@ def timed_phase(cycle: Cycle, phase: str, device):
     return ms, extra
 
 
-def run_interleaved(cycles: dict, args, device, clock) -> dict:
-    """{variant: {"logprob": [ms], "update": [ms], "extra": {phase: max bytes}}} over the
-    measured rounds; every round runs each variant's cycle once, in turn."""
+def run_interleaved(cycles: dict, args, device, clock):
+    """({variant: {"logprob": [ms], "update": [ms], "extra": {phase: max bytes}}} over the
+    measured rounds, {variant: note} of those that failed); every round runs each variant's
+    cycle once, in turn; a variant that fails leaves the rounds, the others go on."""
     runs = {v: {"logprob": [], "update": [], "extra": {"logprob": 0, "update": 0}}
             for v in cycles}
+    failed = {}
     rounds = args.warmup + args.cycles
     for i in range(rounds):
-        for variant, cycle in cycles.items():
+        for variant, cycle in list(cycles.items()):
             this = {}
-            for phase in ("logprob", "update"):
-                this[phase], extra = timed_phase(cycle, phase, device)
-                if i >= args.warmup:
-                    runs[variant][phase].append(this[phase])
-                    if extra is not None:
-                        runs[variant]["extra"][phase] = max(runs[variant]["extra"][phase], extra)
+            try:
+                for phase in ("logprob", "update"):
+                    this[phase], extra = timed_phase(cycle, phase, device)
+                    if i >= args.warmup:
+                        runs[variant][phase].append(this[phase])
+                        if extra is not None:
+                            runs[variant]["extra"][phase] = max(runs[variant]["extra"][phase],
+                                                                extra)
+            except Exception as exc:  # noqa: BLE001 - reported in the table
+                failed[variant] = error_note(exc)
+                del cycles[variant], runs[variant]
+                continue
             warm = " (warm-up)" if i < args.warmup else ""
             print(f"[cycle] {clock()} round {i + 1}/{rounds}{warm} {variant[0]} ({variant[1]}): "
                   f"logprob {this['logprob']:.1f} ms, update {this['update']:.1f} ms", flush=True)
-    return runs
+    return runs, failed
 
 
 def spread(values) -> dict:
@@ -237,12 +244,12 @@ def run_slice(key: str, layers: int, stack: str, arms, layouts, args, device, cl
             except cm.NotAvailable as exc:
                 notes[variant] = str(exc)
             except Exception as exc:  # noqa: BLE001 - reported in the table, traceback on stderr
-                traceback.print_exc()
                 cycles.pop(variant, None)
-                notes[variant] = f"error: {type(exc).__name__}: {str(exc)[:160]}"
+                notes[variant] = error_note(exc)
                 print(f"[cycle] {clock()} {key}:{layers} {arm} ({layout}): {notes[variant]}",
                       flush=True)
-    runs = run_interleaved(cycles, args, device, clock) if cycles else {}
+    runs, failed = run_interleaved(cycles, args, device, clock)
+    notes.update(failed)
     for layout in layouts:
         for arm in arms:
             variant = (arm, layout)
@@ -257,8 +264,11 @@ def run_slice(key: str, layers: int, stack: str, arms, layouts, args, device, cl
                     float((a - b).abs().mean()) for a, b in zip(first[variant], first[reference]))
                 row["logprob_diff_vs"] = f"{cm.ARMS[reference[0]]} ({reference[1]})"
             if args.profile:
-                row["profile"] = cp.profile_update(cycles[variant], row["update_ms"]["median"],
-                                                   device)
+                try:
+                    row["profile"] = cp.profile_update(cycles[variant],
+                                                       row["update_ms"]["median"], device)
+                except Exception as exc:  # noqa: BLE001 - reported under the table
+                    row["profile_note"] = error_note(exc)
                 print(f"[cycle] {clock()} {key}:{layers} {arm} ({layout}): profiled", flush=True)
             result["rows"].append(row)
     cycles.clear()
@@ -279,11 +289,12 @@ def results_table(rows) -> list:
     arm with the same expert-adapter layout."""
     ran = {(r["arm"], r["layout"]): r for r in rows if "note" not in r}
     references = [a for a in REFERENCES if any(arm == a for arm, _ in ran)]
+    diffs = {r["logprob_diff_vs"] for r in ran.values() if "logprob_diff_vs" in r}
     headers = (["experts", "expert adapters", "logprob ms", "update ms",
                 "cycle ms, median (min–max)", "tokens/s", "logprob peak GiB", "update peak GiB",
                 "GPU idle in the update pass"]
                + [f"cycle throughput x {cm.ARMS[a]}" for a in references]
-               + ["mean abs logprob diff vs the first row"])
+               + [f"mean abs logprob diff vs {next(iter(diffs), 'the first arm')}"])
     lines = []
     for r in rows:
         if "note" in r:
@@ -374,7 +385,9 @@ def slice_report(result, out_dir) -> tuple:
         name = f"breakdown-{result['slice']}-{result['layers']}.png"
         if cp.plot_breakdown(labelled, out_dir / name, f"update pass: {result['label']}"):
             plot = name
-    return lines, plot
+    failed = [f"- {r['module']} ({r['layout']}): no profile, {r['profile_note']}"
+              for r in result["rows"] if "profile_note" in r]
+    return lines + failed + ([""] if failed else []), plot
 
 
 def write_results(args, lines_header, results):
@@ -494,7 +507,11 @@ def main():
         print(f"[cycle] {clock()} slice {key}:{layers} on the {stack} stack", flush=True)
         this = argparse.Namespace(**{**vars(args), "cycles": cycles or args.cycles,
                                      "profile": args.profile and layers <= args.profile_max_layers})
-        results.append(run_slice(key, layers, stack, arms, layouts, this, device, clock))
+        try:
+            results.append(run_slice(key, layers, stack, arms, layouts, this, device, clock))
+        except Exception as exc:  # noqa: BLE001 - the other slices still run
+            results.append({"slice": key, "layers": layers, "label": f"{key}, {layers} MoE layers",
+                            "header": [f"slice failed: {error_note(exc)}"], "rows": []})
         if rank0:  # after every slice: a run cut short still leaves the slices it finished
             text, written = write_results(args, lines_header, results)
     if rank0:
