@@ -41,6 +41,8 @@ from shapes import SLICES, ModelSlice
 CLIP = 0.2
 REFERENCES = ("te", "te-cutlass", "sequential")  # the speed-up columns, when the arm ran
 DEFAULT_ARMS = {"te": "te,te-cutlass,torch", "local": "sequential,torch,te,te-cutlass"}
+DEFAULT_SLICES = {"te": "nemotron-3-super:4,qwen3-30b-a3b:4,qwen3-30b-a3b:16:3",
+                  "local": "qwen3-30b-a3b:4:3"}
 
 
 # --- setup ---------------------------------------------------------------------------------------
@@ -424,9 +426,11 @@ def parse_args():
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[1:]))
     parser.add_argument("--out-dir", type=Path, default=cm.REPO_ROOT / "runs" / "cycle")
-    parser.add_argument("--slices", default="qwen3-30b-a3b:4,qwen3-30b-a3b:16,nemotron-3-super:4",
+    parser.add_argument("--slices", default="auto",
                         help="comma-separated MODEL:MoE-LAYERS[:CYCLES] (CYCLES overrides "
-                             f"--cycles for that slice), MODEL from {', '.join(SLICES)}")
+                             f"--cycles for that slice), MODEL from {', '.join(SLICES)}; auto: "
+                             f"{DEFAULT_SLICES['te']} on the TE stack, {DEFAULT_SLICES['local']} "
+                             "on the local one")
     parser.add_argument("--stack", choices=["auto", "te", "local"], default="auto",
                         help="auto: te where Transformer Engine runs (importable, CUDA)")
     parser.add_argument("--arms", default="auto",
@@ -485,6 +489,8 @@ def main():
                      f"{list(cm.ARMS)}")
     if args.smoke:
         args.slices = "tiny:2,tiny-hybrid:1" if stack == "te" else "tiny:2"
+    elif args.slices == "auto":
+        args.slices = DEFAULT_SLICES[stack]
     slices = parse_slices(args.slices, parser)
     args.adapters = cm.adapter_source(args.adapters)
     for noise in (".*Transformer Engine and Apex are not installed.*", "full scope is deprecated"):

@@ -21,5 +21,5 @@ if [ "${SKIP_SMOKE:-0}" != 1 ]; then
     | tee "$out/smoke.txt" || echo "[gpu_bench_cycle] the smoke failed (smoke.txt); benchmark next"
 fi
 python3 benchmarks/bench_cycle.py --out-dir "$out/cycle" \
-  --expert-adapters "${EXPERT_ADAPTERS:-shared}" \
+  --stack te --expert-adapters "${EXPERT_ADAPTERS:-shared}" \
   --slices nemotron-3-super:4,qwen3-30b-a3b:4,qwen3-30b-a3b:16:3 "$@" 2>&1 | tee "$out/cycle/log.txt"
