@@ -4,16 +4,17 @@ TorchGroupedMLP.
 
 A cycle is a logprob pass (eval, no grad) over N micro-batches, then an update pass over the same
 data (train: forward + backward of a clipped policy-gradient loss per micro-batch, then one AdamW
-step on the adapters). Slices, stacks, arms and adapters: cycle_models.py. With Transformer
-Engine importable (and CUDA) the whole model comes from Megatron's TE specs; otherwise from its
-local spec, where the SequentialMLP arm runs and the TE arms are reported as not available.
+step on the adapters). Slices: shapes.py; stacks, arms and adapters: cycle_models.py. With
+Transformer Engine importable (and CUDA) the whole model comes from Megatron's TE specs; otherwise
+from its local spec, where the SequentialMLP arm runs and the TE arms are reported as not
+available.
 
 All arms of a slice are built first, then run interleaved (A, B, C, A, B, C, ...) for --warmup +
---cycles rounds, so that drift hits every arm alike; the table gives the median and the range.
-Peak memory per phase is the arm's own: its resident tensors (weights, adapters, optimizer
-state) plus the phase's peak above what was allocated when the phase began. With --profile
-(default on), one update pass per arm broken down by component (cycle_profile.py). Writes
-results.md, results.json and one breakdown-<slice>.png per slice to --out-dir.
+--cycles rounds, so that drift hits every arm alike; the table gives the median and the range. Peak
+memory per phase is the arm's own: its resident tensors (weights, adapters, optimizer state) plus
+the phase's peak above what was allocated when the phase began. With --profile (default on), one
+update pass per arm broken down by component (cycle_profile.py). Writes results.md, results.json
+and one breakdown-<slice>-<layers>.png per profiled slice to --out-dir.
 
     python benchmarks/bench_cycle.py --out-dir runs/cycle                # one H200, TE stack
     python benchmarks/bench_cycle.py --slices nemotron-3-super:4 --expert-adapters shared,per_expert
