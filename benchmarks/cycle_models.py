@@ -135,7 +135,7 @@ def make_config(model: ModelSlice, layers: int, stack: str, args, device):
         attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
         use_cpu_initialization=device.type == "cpu", recompute_granularity="full",
         recompute_method="uniform", recompute_num_layers=1,
-        **({"moe_latent_size": model.latent} if model.latent else {}))  # a 0.19 field
+        **({"moe_latent_size": model.latent} if model.latent else {}))  # latent slices (0.19+)
 
 
 def seed_all(seed: int) -> None:
