@@ -26,420 +26,22 @@ and ceiling.png to --out-dir. --tiny (automatic without CUDA) runs small shapes 
 """
 
 import argparse
-import json
-import sys
 import time
-import traceback
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from bench_common import MIB, fmt, median_ms, peak_bytes, pyplot, ratio, reset_peak, version
-from bench_common import header as bench_header
+from experts_impls import (DENSE, EAGER_ACT, FUSED, GEMMS, GROUPED, LEGACY, OURS_CPU, OURS_GPU,
+                           OURS_GRAPH, RAW, REPO_ROOT, SEQUENTIAL, TE, build_legacy,
+                           build_sequential, build_te, copy_into_ours, forced_forward, frozen,
+                           gemm_impl, graph_step, guarded_build, init_megatron, make_config,
+                           measure, module_impl, raw_pair_impl, rel_err)
+from experts_report import plots, report_body, to_json
+from harness import Meter, guarded, header, write_report
+from shapes import ROUTINGS, SHAPES, SWEEP, TINY_SHAPES, make_splits
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))  # runs from a checkout without installing the package
-SLEEP_CYCLES = 500_000_000  # GPU sleep of ~0.25 s ahead of the host-blocking probe
-
-
-@dataclass(frozen=True)
-class Shape:
-    label: str
-    experts: int  # local experts on one rank
-    hidden: int  # what the experts see (the latent size when there is one)
-    ffn: int
-    glu: bool
-    activation: str
-    rows: int  # routed rows on one rank
-
-
-SHAPES = {
-    "super-ep4": Shape("Nemotron-3 Super EP4, latent 1024 (11.9k tokens x top-22 / 4)", 128, 1024,
-                       2688, False, "squared_relu", 65536),
-    "nano": Shape("Nemotron-3 Nano (8k tokens x top-6)", 128, 2688, 1856, False, "squared_relu",
-                  49152),
-    "qwen3-30b": Shape("Qwen3-30B-A3B (8k tokens x top-8)", 128, 2048, 768, True, "silu", 65536),
-    "deepseek-v3-ep8": Shape("DeepSeek-V3 EP8 (32k tokens x top-8 / 8)", 32, 7168, 2048, True,
-                             "silu", 32768),
-    "mixtral": Shape("Mixtral-like (8k tokens x top-2)", 8, 4096, 14336, True, "silu", 16384),
-}
-TINY_SHAPES = {
-    "tiny-sqrelu": Shape("tiny squared ReLU", 4, 32, 64, False, "squared_relu", 64),
-    "tiny-swiglu": Shape("tiny SwiGLU", 4, 32, 48, True, "silu", 64),
-}
-SWEEP = {"super-ep4": "8,16,32,64,128", "tiny-sqrelu": "2,4"}
-ROUTINGS = ("uniform", "skewed")
 TARGETS = "super-ep4"  # the issue's targets are set at this shape, uniform routing
-
-OURS_CPU = "TorchGroupedMLP (CPU splits)"
-OURS_GPU = "TorchGroupedMLP (GPU splits)"
-OURS_GRAPH = "TorchGroupedMLP CUDA graph (GPU splits)"
-EAGER_ACT = "TorchGroupedMLP, eager activation"
-FUSED = "TorchGroupedMLP, fused_gemm (CPU splits)"
-GROUPED = "TorchGroupedMLP, grouped_mm (CPU splits)"
-RAW = "raw grouped_mm pair"
-GEMMS = "grouped_mm GEMMs alone"
-DENSE = "dense GEMMs (ceiling)"
-SEQUENTIAL = "SequentialMLP"
-TE = "TEGroupedMLP"
-LEGACY = "GroupedMLP (legacy)"
-
-
-@dataclass
-class Impl:
-    """One way to run the experts: forward() -> (out, ctx); backward(ctx) -> grad of the input."""
-
-    name: str
-    forward: Callable
-    backward: Callable
-    module: bool = False  # an experts module: count host syncs
-    ours: bool = False  # TorchGroupedMLP's path: also probe whether a step blocks the host
-    computes_experts: bool = True  # False: GEMMs on stand-in data, nothing to compare
-
-
-class NotInstalled(Exception):
-    """An optional module that cannot run here; the message is the table's note."""
-
-
-# --- setup ---------------------------------------------------------------------------------------
-
-def init_megatron(device: torch.device, seed: int):
-    """One-process Megatron parallel state (all sizes 1) over an in-memory store; its groups."""
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0,
-                                             world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
-    if device.type == "cuda":
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        torch.cuda.set_device(device)
-        model_parallel_cuda_manual_seed(seed)
-    torch.manual_seed(seed)
-    return ProcessGroupCollection.use_mpu_process_groups()
-
-
-def make_config(shape: Shape, experts: int, device: torch.device):
-    import torch.nn.functional as F
-    from megatron.core.activations import squared_relu
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    activation = {"squared_relu": squared_relu, "silu": F.silu}[shape.activation]
-    return TransformerConfig(
-        num_layers=1, hidden_size=shape.hidden, num_attention_heads=8, num_moe_experts=experts,
-        moe_ffn_hidden_size=shape.ffn, ffn_hidden_size=shape.ffn, moe_router_topk=2,
-        moe_grouped_gemm=True, gated_linear_unit=shape.glu, activation_func=activation,
-        add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16,
-        use_cpu_initialization=device.type == "cpu")
-
-
-def frozen(module):
-    for p in module.parameters():
-        p.requires_grad_(False)
-    return module
-
-
-def weight_pairs(ours):
-    """[(fc1 weight [out, in], fc2 weight [in, F])] per local expert of a TorchGroupedMLP."""
-    fc1, fc2 = ours.linear_fc1.expert_weights(), ours.linear_fc2.expert_weights()
-    return list(zip(fc1, fc2))
-
-
-def build_sequential(config, pg):
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.mlp import MLPSubmodules
-    from megatron.core.transformer.moe.experts import SequentialMLP
-
-    submodules = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-    return frozen(SequentialMLP(config.num_moe_experts, config, submodules, pg_collection=pg))
-
-
-@torch.no_grad()
-def copy_into_ours(seq, ours):
-    """Pack a SequentialMLP's weights into TorchGroupedMLP (the copy path of a conversion)."""
-    for expert, (w1, w2) in zip(seq.local_experts, weight_pairs(ours)):
-        w1.copy_(expert.linear_fc1.weight)
-        w2.copy_(expert.linear_fc2.weight)
-
-
-def build_te(config, pg, ours):
-    try:
-        import transformer_engine  # noqa: F401
-        from megatron.core.extensions.transformer_engine import (
-            TEColumnParallelGroupedLinear,
-            TERowParallelGroupedLinear,
-        )
-    except ImportError as exc:
-        raise NotInstalled(f"not installed: {exc}") from exc
-    from megatron.core.transformer.mlp import MLPSubmodules
-    from megatron.core.transformer.moe.experts import TEGroupedMLP
-
-    submodules = MLPSubmodules(linear_fc1=TEColumnParallelGroupedLinear,
-                               linear_fc2=TERowParallelGroupedLinear)
-    te = TEGroupedMLP(config.num_moe_experts, config, submodules, pg_collection=pg)
-    with torch.no_grad():
-        for i, (w1, w2) in enumerate(weight_pairs(ours)):
-            getattr(te.linear_fc1, f"weight{i}").copy_(w1)
-            getattr(te.linear_fc2, f"weight{i}").copy_(w2)
-    return frozen(te)
-
-
-def build_legacy(config, pg, ours):
-    from mcore_torch_experts import _compat
-
-    legacy_module = _compat.legacy_grouped_mlp()
-    if legacy_module is None:
-        raise NotInstalled(f"not available: megatron-core {version('megatron-core')} has no "
-                           "legacy GroupedMLP (removed in 0.17)")
-    GroupedMLP, grouped_gemm_is_available = legacy_module
-    if not grouped_gemm_is_available():
-        raise NotInstalled("not installed: grouped_gemm")
-    legacy = GroupedMLP(config.num_moe_experts, config, pg_collection=pg)
-    experts = config.num_moe_experts
-    w1 = legacy.weight1.data.view(experts, config.hidden_size, -1)  # [E, in, out], transposed
-    w2 = legacy.weight2.data.view(experts, -1, config.hidden_size)  # [E, F, in]
-    with torch.no_grad():
-        for i, (fc1, fc2) in enumerate(weight_pairs(ours)):
-            w1[i].copy_(fc1.T)
-            w2[i].copy_(fc2.T)
-    return frozen(legacy)
-
-
-def make_splits(rows: int, experts: int, routing: str, zipf: float, seed: int):
-    """Rows per local expert: equal, or Zipf(zipf) weights over a seeded random expert order."""
-    if routing == "uniform":
-        weights = torch.ones(experts, dtype=torch.float64)
-    else:
-        rank = torch.randperm(experts, generator=torch.Generator().manual_seed(seed))
-        weights = (rank + 1).double() ** -zipf
-    share = rows * weights / weights.sum()
-    counts = share.floor().long()
-    extra = (share - counts).argsort(descending=True)[: rows - int(counts.sum())]
-    counts[extra] += 1
-    return counts
-
-
-# --- implementations -----------------------------------------------------------------------------
-
-def module_impl(name, module, x, splits, probs, gy, call=None, ours=False):
-    """An experts module called as MoELayer calls it; x requires grad, the weights do not."""
-    call = call or (lambda: module(x, splits, probs)[0])
-
-    def forward():
-        out = call()
-        return out, out
-
-    return Impl(name, forward, lambda out: torch.autograd.grad(out, x, gy)[0], module=True,
-                ours=ours)
-
-
-def raw_pair_impl(config, shape, w1, w2, x, offs, probs, gy):
-    """fc1 grouped_mm, activation, x probs (FP32, cast back), fc2 grouped_mm, and the two dgrad
-    grouped_mms, as plain torch ops: no module, no autograd; the activation's derivative through
-    the backward kernels autograd would use."""
-    from mcore_torch_experts import find_grouped_mm
-
-    gmm, act = find_grouped_mm().fn, config.activation_func
-    x, p = x.detach(), probs.unsqueeze(-1)
-    w1t, w2t = w1.transpose(1, 2), w2.transpose(1, 2)
-
-    def activation(h):
-        if not shape.glu:
-            return act(h)
-        gate, up = h.chunk(2, -1)
-        return act(gate) * up
-
-    def activation_grad(h, grad):
-        gate, up = h.chunk(2, -1) if shape.glu else (h, None)
-        grad_gate = grad * up if shape.glu else grad
-        if shape.activation == "silu":
-            d_gate = torch.ops.aten.silu_backward(grad_gate, gate)
-        else:  # squared ReLU: 2 relu(x) g
-            d_gate = torch.relu(gate).mul_(2).mul_(grad_gate)
-        return torch.cat([d_gate, grad * act(gate)], -1) if shape.glu else d_gate
-
-    def forward():
-        h = gmm(x, w1t, offs=offs)
-        return gmm((activation(h) * p).to(h.dtype), w2t, offs=offs), h
-
-    def backward(h):
-        grad_act = (gmm(gy, w2, offs=offs) * p).to(h.dtype)
-        return gmm(activation_grad(h, grad_act), w1, offs=offs)
-
-    return Impl(RAW, forward, backward)
-
-
-def gemm_impl(name, fc1, fc2, x, gy, fc1_out_like, act_like):
-    """The four GEMMs of a step and nothing else: fc1(x), fc2(act), dgrad of fc2, dgrad of fc1.
-    fc1/fc2(a, transposed) run one projection; act_like and fc1_out_like stand in for the
-    activation and its gradient (same shapes, random values)."""
-    x = x.detach()
-
-    def forward():
-        fc1(x, True)
-        return fc2(act_like, True), None
-
-    def backward(_):
-        fc2(gy, False)
-        return fc1(fc1_out_like, False)
-
-    return Impl(name, forward, backward, computes_experts=False)
-
-
-def graph_step(ours, x, splits, probs, gy):
-    """A CUDA graph of TorchGroupedMLP forward + input gradient with GPU splits. Returns (graph,
-    static (x, splits, probs, grad_out), static out, static grad)."""
-    static = (x.detach().clone().requires_grad_(True), splits.clone(), probs.clone(), gy.clone())
-
-    def step():
-        out = ours(*static[:3])[0]
-        return out, torch.autograd.grad(out, static[0], static[3])[0]
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, grad = step()
-    return graph, static, out, grad
-
-
-# --- measurement ---------------------------------------------------------------------------------
-
-class Meter:
-    """Median times (CUDA events, or the wall clock on the CPU), memory, syncs, host blocking."""
-
-    def __init__(self, device, warmup, reps, flush_l2):
-        self.device, self.cuda = device, device.type == "cuda"
-        self.warmup, self.reps = warmup, reps
-        self.l2 = torch.empty(256 * 2 ** 20, dtype=torch.int8, device=device) if flush_l2 else None
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def time(self, fn):
-        """(median device ms, median host ms) of fn; on the CPU both are the wall clock."""
-        return median_ms(fn, self.device, self.warmup, self.reps,
-                         before=self.l2.zero_ if self.l2 is not None else None)
-
-    def memory(self, impl):
-        """(extra peak MiB over the step, MiB held from forward to backward) above the inputs."""
-        base = reset_peak(self.device)
-        out, ctx = impl.forward()
-        self.sync()
-        held = torch.cuda.memory_allocated() - base
-        impl.backward(ctx)
-        del out, ctx
-        return (peak_bytes(self.device) - base) / MIB, held / MIB
-
-    def count_syncs(self, fn):
-        """Host syncs torch's sync debug mode reports while fn runs."""
-        self.sync()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                fn()
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-        self.sync()
-        return sum("synchroniz" in str(w.message) for w in caught)
-
-    def blocks_host(self, fn):
-        """True if fn returns only after earlier GPU work (a ~0.25 s sleep) has finished."""
-        self.sync()
-        torch.cuda._sleep(SLEEP_CYCLES)
-        slept = torch.cuda.Event()
-        slept.record()
-        fn()
-        blocked = slept.query()
-        self.sync()
-        return blocked
-
-
-def rel_err(actual, expected):
-    actual, expected = actual.detach().double(), expected.detach().double()
-    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
-
-
-def measure(meter, impl, reference, full=True):
-    """One row: times, and with full=True memory, syncs, blocking and error against reference."""
-    row = {"name": impl.name}
-
-    def step():
-        return impl.backward(impl.forward()[1])
-
-    row["fwd_ms"], _ = meter.time(impl.forward)
-    row["step_ms"], row["host_ms"] = meter.time(step)
-    if not full:
-        return row
-    if meter.cuda:
-        row["peak_mib"], row["held_mib"] = meter.memory(impl)
-        if impl.module:
-            held = []
-            row["syncs_fwd"] = meter.count_syncs(lambda: held.append(impl.forward()))
-            row["syncs_bwd"] = meter.count_syncs(lambda: impl.backward(held.pop()[1]))
-        if impl.ours:  # a few dozen launches: well inside the launch queue while the GPU sleeps
-            row["blocks_host"] = meter.blocks_host(step)
-    if impl.computes_experts:
-        out, ctx = impl.forward()
-        row["err"] = max(rel_err(out, reference[0]), rel_err(impl.backward(ctx), reference[1]))
-    return row
-
-
-def error_note(exc):
-    traceback.print_exc()
-    return f"error: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]}"
-
-
-def guarded(name, fn):
-    """fn() -> row, or a row that says why it did not run; a failure never stops the run."""
-    try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001 - reported in the table, traceback on stderr
-        return {"name": name, "note": error_note(exc)}
-
-
-def guarded_build(build, *args):
-    """An optional module, or the note that says why there is none."""
-    try:
-        return build(*args)
-    except NotInstalled as exc:
-        return str(exc)
-    except Exception as exc:  # noqa: BLE001
-        return error_note(exc)
-
-
-def timed_build(meter, fn):
-    """(result, {ms, extra peak MiB, MiB held after}) of a one-time step such as packing."""
-    meter.sync()
-    base = torch.cuda.memory_allocated() if meter.cuda else 0
-    if meter.cuda:
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    result = fn()
-    meter.sync()
-    cost = {"ms": (time.perf_counter() - t0) * 1e3}
-    if meter.cuda:
-        cost["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / MIB
-        cost["held_mib"] = (torch.cuda.memory_allocated() - base) / MIB
-    return result, cost
-
-
-def step_flops(shape: Shape) -> float:
-    """Forward + input gradient: two GEMMs each way."""
-    fc1_out = shape.ffn * (2 if shape.glu else 1)
-    return 2 * 2 * shape.rows * shape.hidden * (fc1_out + shape.ffn)
 
 
 # --- one shape -----------------------------------------------------------------------------------
@@ -475,10 +77,10 @@ class ShapeBench:
         from mcore_torch_experts import TorchGroupedMLP
 
         config = make_config(shape, experts, self.device)
-        ours, cost = timed_build(self.meter, lambda: frozen(
+        ours, cost = self.meter.one_time(lambda: frozen(
             TorchGroupedMLP(experts, config, pg_collection=self.pg)))
-        seq, seq_cost = timed_build(self.meter, lambda: build_sequential(config, self.pg))
-        _, copy_cost = timed_build(self.meter, lambda: copy_into_ours(seq, ours))
+        seq, seq_cost = self.meter.one_time(lambda: build_sequential(config, self.pg))
+        _, copy_cost = self.meter.one_time(lambda: copy_into_ours(seq, ours))
         if packing is not None:
             packing.update({"TorchGroupedMLP build (Megatron init into the packed buffer)": cost,
                             "SequentialMLP build (Megatron init)": seq_cost,
@@ -493,7 +95,7 @@ class ShapeBench:
             for i, w in enumerate(linear.expert_weights()):
                 setattr(linear, f"weight{i}", torch.nn.Parameter(w.detach().clone(),
                                                                  requires_grad=False))
-        _, cost = timed_build(self.meter, lambda: (ours.linear_fc1.packed(),
+        _, cost = self.meter.one_time(lambda: (ours.linear_fc1.packed(),
                                                    ours.linear_fc2.packed()))
         return cost
 
@@ -594,13 +196,13 @@ class ShapeBench:
               f"{detail}", flush=True)
 
 
-# --- report --------------------------------------------------------------------------------------
+# --- header --------------------------------------------------------------------------------------
 
 def environment(args, device):
     """Header lines: command, machine and versions, and how this benchmark times."""
     from mcore_torch_experts import find_grouped_mm
 
-    lines = bench_header(device)
+    lines = header(device)
     lines[-1] += f"; grouped GEMM: {find_grouped_mm().name}"
     lines.append(f"timing: warmup {args.warmup}, median of {args.reps}, L2 flush "
                  f"{'on' if args.flush_l2 else 'off'}; skewed routing: Zipf {args.zipf} over a "
@@ -613,224 +215,9 @@ def matmul_tflops(device):
     """An 8192^3 bf16 matmul on random data: the card's dense rate today."""
     a = torch.randn(8192, 8192, device=device).bfloat16()
     b = torch.randn(8192, 8192, device=device).bfloat16()
-    meter = Meter(device, 3, 10, False)
+    meter = Meter(device, 3, 10)
     ms, _ = meter.time(lambda: a @ b)
     return 2 * 8192 ** 3 / ms / 1e9
-
-
-def table(results):
-    """The main markdown table: one row per implementation, shape and routing."""
-    head = ("| shape | routing | implementation | fwd ms | fwd+dgrad ms | TFLOP/s | / raw pair "
-            "| ceiling fraction | x SequentialMLP | peak MiB | held MiB | host ms | syncs fwd/bwd "
-            "| blocks host | rel err vs Sequential |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for res in results:
-        by_name = {r["name"]: r for r in res["rows"]}
-        base = {k: by_name.get(k, {}).get("step_ms") for k in (RAW, DENSE, SEQUENTIAL)}
-        flops = step_flops(res["shape"])
-        for r in res["rows"]:
-            cells = [res["name"], res["routing"], r["name"]]
-            if "note" in r:
-                lines.append("| " + " | ".join(cells + [r["note"]] + [""] * 11) + " |")
-                continue
-            step = r["step_ms"]
-            syncs = f"{r['syncs_fwd']}/{r['syncs_bwd']}" if "syncs_fwd" in r else None
-            blocks = {True: "yes", False: "no"}.get(r.get("blocks_host"))
-            err = "reference" if r["name"] == SEQUENTIAL else r.get("err")
-            if r.get("graph_matches_eager") is not None:
-                err = f"{err:.1e}, = eager: {'yes' if r['graph_matches_eager'] else 'NO'}"
-            cells += [fmt(r.get("fwd_ms")), fmt(step), fmt(flops / step / 1e9, ".3g"),
-                      fmt(ratio(step, base[RAW]), ".2f"), fmt(ratio(base[DENSE], step), ".2f"),
-                      fmt(ratio(base[SEQUENTIAL], step), ".1f"), fmt(r.get("peak_mib"), ".0f"),
-                      fmt(r.get("held_mib"), ".0f"), fmt(r.get("host_ms"), ".2f"),
-                      syncs or "—", blocks or "—",
-                      err if isinstance(err, str) else fmt(err, ".1e")]
-            lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
-def forced_forward(mlp, x, splits, probs, kernel, activation=None):
-    """TorchGroupedMLP with its expert kernels forced to `kernel` ("fused_gemm" raises where it
-    cannot run) and, when given, its activation_impl (grouped_mm path) forced too."""
-    saved = mlp.expert_kernel_setting, mlp.expert_kernel_impl, mlp.activation_impl
-    mlp.expert_kernel_setting = mlp.expert_kernel_impl = kernel
-    mlp.activation_impl = activation or mlp.activation_impl
-    try:
-        return mlp(x, splits, probs)[0]
-    finally:
-        mlp.expert_kernel_setting, mlp.expert_kernel_impl, mlp.activation_impl = saved
-
-
-def step_of(res, name):
-    return next((r.get("step_ms") for r in res["rows"] if r["name"] == name), None)
-
-
-def targets(results, sweep, target_shape):
-    """The issue's targets at the target shape (uniform routing) and across the sweep; judged on
-    TorchGroupedMLP as MoELayer calls it (CPU splits), with GPU splits and the eager activation beside."""
-    names = (OURS_CPU, OURS_GPU, EAGER_ACT)
-    lines = ["| target | " + " | ".join(names) + " | met |", "|---|---|---|---|---|"]
-    main = next((r for r in results if r["name"] == target_shape and r["routing"] == "uniform"),
-                None)
-    if main is not None:
-        raw, dense, seq = (step_of(main, n) for n in (RAW, DENSE, SEQUENTIAL))
-        checks = [(f"{target_shape}: fwd+dgrad time / raw grouped_mm pair <= 1.05",
-                   lambda t: ratio(t, raw), lambda v: v <= 1.05, ".3f"),
-                  (f"{target_shape}: dense ceiling fraction >= 0.90",
-                   lambda t: ratio(dense, t), lambda v: v >= 0.90, ".3f"),
-                  (f"{target_shape}: x SequentialMLP >= 9", lambda t: ratio(seq, t),
-                   lambda v: v >= 9, ".1f")]
-        for label, value, ok, spec in checks:
-            values = [value(step_of(main, n)) for n in names]
-            met = "—" if values[0] is None else ("yes" if ok(values[0]) else "NO")
-            lines.append(f"| {label} | " + " | ".join(fmt(v, spec) for v in values) + f" | {met} |")
-        rows = {r["name"]: r for r in main["rows"]}
-        if "syncs_fwd" in rows.get(OURS_GPU, {}):
-            cells = [f"{rows[n]['syncs_fwd']}/{rows[n]['syncs_bwd']}, blocks host: "
-                     f"{'yes' if rows[n]['blocks_host'] else 'no'}"
-                     if "syncs_fwd" in rows.get(n, {}) else "—" for n in names]
-            gpu = rows[OURS_GPU]
-            ok = gpu["syncs_fwd"] == gpu["syncs_bwd"] == 0 and not gpu["blocks_host"]
-            lines.append("| host syncs fwd/bwd = 0 with GPU splits | " + " | ".join(cells)
-                         + f" | {'yes' if ok else 'NO'} |")
-    for res in sweep:
-        if res["experts"] <= 32:
-            seq = step_of(res, SEQUENTIAL)
-            values = [step_of(res, n) for n in names]
-            met = "—" if None in (values[0], seq) else ("yes" if values[0] <= seq else "NO")
-            lines.append(f"| {res['experts']} local experts: ms <= SequentialMLP's {fmt(seq)} ms | "
-                         + " | ".join(fmt(v) for v in values) + f" | {met} |")
-    return lines
-
-
-def sweep_table(sweep):
-    names = [OURS_CPU, FUSED, GROUPED, EAGER_ACT, RAW, GEMMS, SEQUENTIAL, DENSE]
-    lines = ["| local experts | rows per expert | " + " | ".join(f"{n} ms" for n in names)
-             + " | x SequentialMLP | ceiling fraction | fused_gemm ceiling fraction "
-             "| fused_gemm / grouped_mm time |",
-             "|" + "---|" * (len(names) + 6)]
-    for res in sweep:
-        ours, seq, dense, fused, grouped = (step_of(res, n) for n in (
-            OURS_CPU, SEQUENTIAL, DENSE, FUSED, GROUPED))
-        cells = [str(res["experts"]), str(res["shape"].rows // res["experts"])]
-        cells += [fmt(step_of(res, n)) for n in names]
-        cells += [fmt(ratio(seq, ours), ".1f"), fmt(ratio(dense, ours), ".2f"),
-                  fmt(ratio(dense, fused), ".2f"), fmt(ratio(fused, grouped), ".3f")]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
-def plots(out_dir, results, sweep):
-    """sweep.png (time against local experts) and ceiling.png (fraction of the ceiling)."""
-    plt = pyplot()
-    if plt is None:
-        return []
-    written = []
-    if sweep:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        experts = [res["experts"] for res in sweep]
-        for name in (OURS_CPU, FUSED, GROUPED, EAGER_ACT, RAW, SEQUENTIAL, DENSE):
-            ys = [step_of(res, name) for res in sweep]
-            if any(y is not None for y in ys):
-                ax.plot(experts, [float("nan") if y is None else y for y in ys], marker="o",
-                        label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(experts, [str(e) for e in experts])
-        ax.set_xlabel("local experts (fixed total rows)")
-        ax.set_ylabel("forward + input gradient, ms")
-        ax.set_title(f"{sweep[0]['shape'].label.split(' (')[0]}: {sweep[0]['shape'].rows} rows")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out_dir / "sweep.png", dpi=120)
-        plt.close(fig)
-        written.append("sweep.png")
-    if results:
-        names = (OURS_CPU, FUSED, GROUPED, EAGER_ACT, RAW, GEMMS)
-        labels = [f"{r['name']}\n{r['routing']}" for r in results]
-        fig, ax = plt.subplots(figsize=(max(7, 1.1 * len(results)), 4.5))
-        width = 0.8 / len(names)
-        for k, name in enumerate(names):
-            values = []
-            for res in results:
-                step, dense = step_of(res, name), step_of(res, DENSE)
-                values.append(ratio(dense, step) or 0.0)
-            ax.bar([i + (k - (len(names) - 1) / 2) * width for i in range(len(results))], values,
-                   width, label=name)
-        ax.axhline(0.9, color="k", linestyle="--", linewidth=1, label="target 0.90")
-        ax.set_xticks(range(len(results)), labels, fontsize=7)
-        ax.set_ylabel("dense ceiling time / time")
-        ax.set_title("fraction of the dense-GEMM ceiling, forward + input gradient")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out_dir / "ceiling.png", dpi=120)
-        plt.close(fig)
-        written.append("ceiling.png")
-    return written
-
-
-def packing_table(packing):
-    lines = ["| shape | one-time step | ms | MiB held after (vs before) | transient MiB "
-             "(peak above that) |", "|---|---|---|---|---|"]
-    for name, steps in packing.items():
-        for step, cost in steps.items():
-            held = cost.get("held_mib")
-            transient = None if held is None else cost["peak_mib"] - max(held, 0.0)
-            lines.append(f"| {name} | {step} | {cost['ms']:.1f} | {fmt(held, '.0f')} | "
-                         f"{fmt(transient, '.0f')} |")
-    return lines
-
-
-def fused_table(results):
-    lines = ["| shape | routing | fused_gemm ms | grouped_mm ms | dense ms | fused_gemm ceiling "
-             "fraction | grouped_mm ceiling fraction | fused / grouped_mm time | fused peak MiB "
-             "| grouped_mm peak MiB |", "|" + "---|" * 10]
-    for res in results:
-        rows = {r["name"]: r for r in res["rows"]}
-        fused, grouped, dense = (step_of(res, n) for n in (FUSED, GROUPED, DENSE))
-        lines.append("| " + " | ".join([
-            res["name"], res["routing"], fmt(fused), fmt(grouped), fmt(dense),
-            fmt(ratio(dense, fused), ".2f"), fmt(ratio(dense, grouped), ".2f"),
-            fmt(ratio(fused, grouped), ".3f"), fmt(rows.get(FUSED, {}).get("peak_mib"), ".0f"),
-            fmt(rows.get(GROUPED, {}).get("peak_mib"), ".0f")]) + " |")
-    return lines
-
-
-def write_report(out_dir, header, results, sweep, packing, target_shape):
-    lines = ["# TorchGroupedMLP benchmark", ""] + [f"- {h}" for h in header] + [""]
-    lines += ["## Targets", "", "Judged on TorchGroupedMLP as MoELayer calls it (CPU splits); GPU "
-              "splits and the eager-activation variant beside it.", ""]
-    lines += targets(results, sweep, target_shape) + [""]
-    lines += ["## All shapes", "",
-              "Columns: fwd+dgrad = forward + input gradient (weights frozen). `/ raw pair` = time "
-              "/ raw grouped_mm pair time (target <= 1.05); `ceiling fraction` = dense-GEMM time / "
-              "time (target >= 0.90); `x SequentialMLP` = SequentialMLP time / time (target >= 9). "
-              "Peak = extra peak memory of one step over its inputs; held = memory kept from "
-              "forward to backward (output included). Syncs counted by torch.cuda's sync debug "
-              "mode; 'blocks host' (TorchGroupedMLP paths): a step queued behind a GPU sleep "
-              "returned only after the sleep ended. The CUDA graph is captured at the first "
-              "routing and replayed with each routing's inputs and splits copied in; '= eager' "
-              "says its output and gradient equal the eager module's bit for bit.", ""]
-    lines += table(results) + [""]
-    lines += ["## fused_gemm against grouped_mm", "",
-              "TorchGroupedMLP with its kernels forced either way, in the same run: fraction of "
-              "the dense ceiling (targets: uniform >= 0.90, skewed >= 0.85) and fused_gemm time / "
-              "grouped_mm time (target: <= 1 everywhere).", ""]
-    lines += fused_table(results) + [""]
-    if sweep:
-        lines += ["## Local expert count sweep (uniform routing, fixed total rows)", ""]
-        lines += sweep_table(sweep) + [""]
-    if packing:
-        lines += ["## One-time packing", ""] + packing_table(packing) + [""]
-    text = "\n".join(lines)
-    (out_dir / "results.md").write_text(text)
-    return text
-
-
-def to_json(results):
-    return [{**{k: v for k, v in res.items() if k != "shape"}, "shape": res["shape"].__dict__}
-            for res in results]
 
 
 # --- main ----------------------------------------------------------------------------------------
@@ -914,11 +301,10 @@ def main():
         print(f"[bench] {name} done at {time.perf_counter() - started:.0f} s", flush=True)
 
     header.append(f"wall time of the measurements: {time.perf_counter() - started:.0f} s")
-    text = write_report(args.out_dir, header, results, sweep, packing,
-                        TARGETS if TARGETS in names else names[0])
-    (args.out_dir / "results.json").write_text(json.dumps(
-        {"header": header, "results": to_json(results), "sweep": to_json(sweep),
-         "packing": packing}, indent=1, default=str))
+    body = report_body(results, sweep, packing, TARGETS if TARGETS in names else names[0])
+    text = write_report(args.out_dir, "results", "TorchGroupedMLP benchmark", header, body,
+                        {"results": to_json(results), "sweep": to_json(sweep),
+                         "packing": packing})
     written = ["results.md", "results.json"] + plots(args.out_dir, results, sweep)
     print(text, flush=True)
     print(f"[bench] wrote {', '.join(written)} to {args.out_dir}", flush=True)

@@ -10,10 +10,11 @@ and compares, per shape:
   - the fork's workaround: the same chunk loop written inline, through ordinary autograd,
   - the fused Triton gather-reduce kernel.
 
-Reports max abs error against FP64 (on the first --ref-tokens tokens), forward and forward+backward
-time (CUDA events, median; from an idle GPU, and queued behind a GPU sleep so only device time
-counts), extra peak memory (torch.cuda.max_memory_allocated over the inputs; also over inputs + the
-FP32 accumulator) and bitwise run-to-run reproducibility.
+Reports (combine_bench.md, .json and .png in --out-dir) max abs error against FP64 (on the first
+--ref-tokens tokens), forward and forward+backward time (CUDA events, median; from an idle GPU, and
+queued behind a GPU sleep so only device time counts), extra peak memory
+(torch.cuda.max_memory_allocated over the inputs; also over inputs + the FP32 accumulator) and
+bitwise run-to-run reproducibility.
 On a CPU-only machine use --tiny: times are wall clock, memory is the process's peak RSS
 (VmHWM after resetting it through /proc/self/clear_refs) and the kernel runs in the Triton
 interpreter. Does not import Megatron-Core (loads mcore_torch_experts.combine on its own).
@@ -25,15 +26,15 @@ interpreter. Does not import Megatron-Core (loads mcore_torch_experts.combine on
 import argparse
 import importlib
 import os
-import re
 import sys
 import types
 from pathlib import Path
 
 import torch
 
-from bench_common import GIB, MIB, markdown_table, median_ms, peak_bytes, pyplot, reset_peak
-from bench_common import header as bench_header
+from harness import GIB, MIB, Meter, markdown_table, pyplot, save_figure, write_report
+from harness import header as bench_header
+from shapes import COMBINE_SHAPES, TINY_COMBINE_SHAPES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,16 +42,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # or more separately and unmaps it when freed, so peak RSS sees each temporary; and the Triton
 # kernels are defined for the interpreter (the variable must be set before triton is imported).
 CPU_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "TRITON_INTERPRET": "1"}
-
-# name: (tokens, top_k, hidden, experts)
-SHAPES = {
-    "deepseek-v3": (16384, 8, 7168, 256),
-    "nemotron-3-super-latent": (16384, 22, 1024, 512),
-}
-TINY_SHAPES = {
-    "tiny-top8": (64, 8, 2048, 32),
-    "tiny-top22": (24, 22, 1024, 64),
-}
 
 
 def load_combine():
@@ -89,41 +80,6 @@ def autograd_loop_combine(expert_out, token_ids, num_tokens, probs, chunk_rows):
         ids = token_ids[start:start + chunk_rows].unsqueeze(1).expand_as(rows)
         y.scatter_add_(0, ids, rows)
     return y
-
-
-class Meter:
-    """Timing and extra-peak-memory measurement: CUDA allocator stats, or CPU wall clock and RSS."""
-
-    def __init__(self, device):
-        self.device, self.cuda = device, device.type == "cuda"
-
-    def median_ms(self, fn, warmup, repeats, queued=False):
-        """Median time of fn, each call from an idle device. On CUDA, queued=True first puts the
-        GPU to sleep for ~25 ms so that all of fn's kernels are enqueued before the start event
-        fires: device time only, as inside a busy training step (launches that outlast the sleep
-        still show). queued=False starts on an idle GPU and includes launch latency."""
-        sleep = (lambda: torch.cuda._sleep(50_000_000)) if queued and self.cuda else None
-        return median_ms(fn, self.device, warmup, repeats, before=sleep, sync_each=True)[0]
-
-    def peak_extra_bytes(self, fn):
-        """Peak memory above what is allocated when fn starts (None where it cannot be measured)."""
-        if self.cuda:
-            torch.cuda.empty_cache()
-            base = reset_peak(self.device)
-            fn()
-            return peak_bytes(self.device) - base
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            return None
-        base = _vm_kib("VmRSS")
-        fn()
-        return (_vm_kib("VmHWM") - base) * 1024
-
-
-def _vm_kib(field):
-    return int(re.search(field + r":\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1))
 
 
 def fp64_errors(y, expert_out, token_ids, probs, grad_y, ref_tokens):
@@ -182,10 +138,10 @@ def bench_method(name, combine_fn, measured, inputs, meter, args):
         clear_grads()
         row[f"{key} extra"] = extra
         row[f"{key} extra over acc"] = None if extra is None else extra - accumulator
-        row[f"{key} ms"] = meter.median_ms(fn, args.warmup, args.repeats) if measured else None
+        row[f"{key} ms"] = meter.time(fn, sync_each=True)[0] if measured else None
         row[f"{key} GPU ms"] = None
         if measured and meter.cuda:
-            row[f"{key} GPU ms"] = meter.median_ms(fn, args.warmup, args.repeats, queued=True)
+            row[f"{key} GPU ms"] = meter.time(fn, queued=True, sync_each=True)[0]
     clear_grads()
     return row
 
@@ -300,8 +256,7 @@ def plot(results, path, unit):
             ax.set_ylabel(ylabel)
             ax.set_title(shape)
             ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(plt, fig, path)
     print(f"plot: {path}")
 
 
@@ -327,7 +282,7 @@ def main():
             parser.error("no CUDA device: use --tiny for the CPU")
         if CPU_ENV.items() - os.environ.items():
             os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **CPU_ENV})
-    shapes = TINY_SHAPES if args.tiny else SHAPES
+    shapes = TINY_COMBINE_SHAPES if args.tiny else COMBINE_SHAPES
     shapes = {name: shapes[name] for name in (args.shapes or shapes)}
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
     args.repeats = args.repeats or (3 if args.tiny else 20)
@@ -335,7 +290,7 @@ def main():
     unit = "MiB" if args.tiny else "GiB"
     combine = load_combine()
     triton_note = triton_status(device)
-    meter = Meter(device)
+    meter = Meter(device, args.warmup, args.repeats)
     meter_note = ("torch.cuda.max_memory_allocated() minus memory_allocated() at the start "
                   "(inputs: expert_out, token_ids, probs, grad_y)" if meter.cuda else
                   "CPU peak RSS (VmHWM reset via /proc/self/clear_refs) minus RSS at the start, "
@@ -367,12 +322,12 @@ def main():
         results[shape] = (num_rows, rows)
         tables.append(results_table(f"{shape}: T={tokens}, top-{top_k}, H={hidden}, N={num_rows} "
                                      f"({'CUDA' if meter.cuda else 'CPU'})", rows, unit))
-    report = "\n".join(f"    {line}" for line in lines) + "\n\n" + "\n\n".join(tables) + "\n"
-    print("\n" + report)
     out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "combine_bench.md").write_text(report)
-    print(f"table: {out_dir / 'combine_bench.md'}")
+    body = [line for table in tables for line in table.split("\n") + [""]]
+    report = write_report(out_dir, "combine_bench", "FP32 combine benchmark", lines, body,
+                          {"results": results})
+    print("\n" + report)
+    print(f"table: {out_dir / 'combine_bench.md'} (and combine_bench.json)")
     plot(results, out_dir / "combine_bench.png", unit)
 
 

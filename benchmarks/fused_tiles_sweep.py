@@ -1,9 +1,9 @@
 """Block sizes of the fused expert kernels (fused_experts_triton.py) against what they replace.
 
-At each shape and routing of bench_experts.py: fc1 + activation x probs (grouped_mm, then the
-fused activation kernel) against `fc1_activation` with each candidate tiling, and fc2's input
-gradient + the activation's backward (grouped_mm, then the activation backward kernel) against
-`fc2_dgrad_activation`. CUDA events, median of --reps after warm-ups. Writes tiles.md.
+At each shape (shapes.py) and routing of bench_experts.py: fc1 + activation x probs (grouped_mm,
+then the fused activation kernel) against `fc1_activation` with each candidate tiling, and fc2's
+input gradient + the activation's backward (grouped_mm, then the activation backward kernel)
+against `fc2_dgrad_activation`. CUDA events, median of --reps after warm-ups. Writes tiles.md.
 
     python benchmarks/fused_tiles_sweep.py --out-dir runs/tiles
 """
@@ -14,13 +14,12 @@ from pathlib import Path
 
 import torch
 
-from bench_common import fmt, markdown_table, median_ms
-from bench_common import header as bench_header
+from harness import fmt, markdown_table, median_ms
+from harness import header as bench_header
+from shapes import SHAPES, make_splits
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-
-from bench_experts import SHAPES, make_splits  # noqa: E402
+sys.path.insert(0, str(REPO_ROOT))  # the package from a checkout
 
 CANDIDATES = {  # Tiles(block_m, block_n, block_k, warps, stages)
     "fc1": [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3),
@@ -98,8 +97,8 @@ def main():
                 dh, _ = run()
                 err = float((dh.float() - ref_dh.float()).norm() / ref_dh.float().norm())
                 ms = time(run)
-                rows_out.append([name, routing, "dgrad_glu" if shape.glu else "dgrad", str(tiles), fmt(base_bwd), fmt(ms),
-                                 fmt(base_bwd / ms, ".3f"), f"{err:.1e}"])
+                rows_out.append([name, routing, "dgrad_glu" if shape.glu else "dgrad", str(tiles),
+                                 fmt(base_bwd), fmt(ms), fmt(base_bwd / ms, ".3f"), f"{err:.1e}"])
                 print("[tiles]", rows_out[-1], flush=True)
     lines = ["# Fused expert kernel tilings", ""] + [f"- {h}" for h in bench_header(device)] + [""]
     lines += markdown_table(["shape", "routing", "kernel", "tiles (m, n, k, warps, stages)",

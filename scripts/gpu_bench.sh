@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The H200 benchmarks, run on the device machine from the repository root, with `.whl` carried:
 #   bash scripts/gpu_bench.sh "$OUT" [bench_experts.py options, e.g. --quick --shapes super-ep4]
-#   bash scripts/gpu_bench.sh "$OUT" cycle [bench_cycle.py options, e.g. --profile]
+#   bash scripts/gpu_bench.sh "$OUT" cycle [bench_cycle.py options, e.g. --slices qwen3-30b-a3b:4]
+#   (the cycle on the local spec, no Transformer Engine; with TE: scripts/gpu_bench_cycle.sh)
 # That machine has torch and triton but no megatron-core and no internet: the carried wheel
 # (.whl/megatron_core-0.16.1-cp312-*.whl; torch, numpy, packaging and einops are already there)
 # is installed into /tmp/site. Results (markdown, JSON, plots) and the log land in the given folder.

@@ -1,0 +1,243 @@
+"""The RL cycle's update pass by component: profiler ranges from forward hooks, the
+classification of every profiled op's GPU time, the breakdown table and the stacked-bar plot.
+
+Forward ops (and the recompute's) take the innermost `bench::<component>` range open around
+them; a backward op takes the component of the forward op that made its autograd node
+(sequence numbers); ops the re-entrant checkpoint's backward runs outside a nested backward node
+are the recompute; gradient accumulation into a leaf goes to the adapters (the only trainable
+leaves). `GPU idle` is the measured update time minus the profiled device time.
+"""
+
+import collections
+import time
+
+from harness import markdown_table, pyplot, save_figure, sync
+
+ATTENTION, ROUTER, LATENT, DISPATCH = ("attention", "router", "latent projections",
+                                       "permute/dispatch")
+GEMMS, ACTIVATION, SHARED, COMBINE = ("expert GEMMs", "expert activation", "shared expert",
+                                      "combine/unpermute")
+ADAPTERS, RECOMPUTE, OPTIMIZER = "adapters", "recompute (forward)", "optimizer"
+HEAD, NORMS, OTHER, IDLE = ("embedding, output layer, loss", "norms, residuals", "other",
+                            "GPU idle")
+COMPONENTS = [ATTENTION, ROUTER, LATENT, DISPATCH, GEMMS, ACTIVATION, SHARED, COMBINE, ADAPTERS,
+              RECOMPUTE, OPTIMIZER, HEAD, NORMS, OTHER, IDLE]
+RANGE = "bench::"
+EVALUATE = "autograd::engine::evaluate_function: "
+DISPATCH_METHODS = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess")
+COMBINE_METHODS = ("combine_preprocess", "token_combine", "combine_postprocess")
+TOP_KERNELS = 4  # expert GEMM kernel names kept per arm (which GEMM library ran)
+
+
+def is_adapter_wrapper(module) -> bool:
+    """Our LoRALinear and Megatron-Bridge's AdapterWrapper both hold `to_wrap` and `adapter`."""
+    return hasattr(module, "to_wrap") and hasattr(module, "adapter")
+
+
+def component_ranges(model):
+    """(module -> component) for the forward hooks, and (dispatcher, method, component) for the
+    token dispatchers' phases, for GPTModel and HybridModel."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    modules, methods = {model: HEAD, model.decoder: OTHER}, []
+    for name, module in model.named_modules():
+        if isinstance(module, TransformerLayer):
+            modules[module] = NORMS
+            modules[module.self_attention] = ATTENTION
+        elif isinstance(module, MoELayer):
+            modules[module] = OTHER
+            modules[module.router] = ROUTER
+            modules[module.experts] = ACTIVATION
+            for part, component in (("shared_experts", SHARED), ("fc1_latent_proj", LATENT),
+                                    ("fc2_latent_proj", LATENT)):
+                if getattr(module, part, None) is not None:
+                    modules[getattr(module, part)] = component
+            methods += [(module.token_dispatcher, m, DISPATCH) for m in DISPATCH_METHODS]
+            methods += [(module.token_dispatcher, m, COMBINE) for m in COMBINE_METHODS]
+        elif is_adapter_wrapper(module):
+            modules[module.adapter] = ADAPTERS
+            if ".experts." in name:
+                modules[module.to_wrap] = GEMMS
+    for final in ("final_layernorm", "final_norm"):
+        if getattr(model.decoder, final, None) is not None:
+            modules[getattr(model.decoder, final)] = NORMS
+    return modules, methods
+
+
+class Ranges:
+    """Forward hooks (and dispatcher method wrappers) that open a `bench::<component>` profiler
+    range around each module's forward; removed on exit."""
+
+    def __init__(self, model):
+        self.modules, self.methods = component_ranges(model)
+        self.handles, self.wrapped = [], []
+
+    def __enter__(self):
+        from torch.profiler import record_function
+
+        for module, component in self.modules.items():
+            stack = []
+
+            def pre(_module, _args, stack=stack, component=component):
+                stack.append(record_function(RANGE + component).__enter__())
+
+            def post(_module, _args, _out, stack=stack):
+                stack.pop().__exit__(None, None, None)
+
+            self.handles += [module.register_forward_pre_hook(pre),
+                             module.register_forward_hook(post)]
+        for owner, method, component in self.methods:
+            original = getattr(owner, method)
+
+            def wrapper(*args, original=original, component=component, **kwargs):
+                with record_function(RANGE + component):
+                    return original(*args, **kwargs)
+
+            self.wrapped.append((owner, method, vars(owner).get(method)))
+            setattr(owner, method, wrapper)
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        for owner, method, own in self.wrapped:
+            if own is None:
+                delattr(owner, method)
+            else:
+                setattr(owner, method, own)
+
+
+def _ancestors(event):
+    while event is not None:
+        yield event
+        event = event.cpu_parent
+
+
+def _innermost_range(chain):
+    return next((e.name[len(RANGE):] for e in chain if e.name.startswith(RANGE)), OTHER)
+
+
+def _is_backward_node(event) -> bool:
+    parent = event.cpu_parent
+    return event.name.startswith(EVALUATE) or (parent is not None
+                                               and parent.name == EVALUATE + event.name)
+
+
+def classify(events, cuda: bool):
+    """{component: µs} of the profiled ops' own GPU time (kernels they launched; on the CPU their
+    own CPU time), the recompute's µs by the component it re-runs, the total device time of the
+    profile (None on the CPU) and {kernel name: µs} of the expert GEMMs' kernels."""
+    from torch.autograd import DeviceType
+
+    cpu_events = [e for e in events if e.device_type == DeviceType.CPU]
+    forward = {}
+    for event in cpu_events:
+        if event.sequence_nr >= 0 and not _is_backward_node(event):
+            forward.setdefault((event.thread, event.sequence_nr),
+                               _innermost_range(_ancestors(event)))
+    totals, recompute = dict.fromkeys(COMPONENTS, 0.0), dict.fromkeys(COMPONENTS, 0.0)
+    gemm_kernels = collections.Counter()
+    for event in cpu_events:
+        if getattr(event, "is_user_annotation", False):
+            continue  # a range: its device span holds its ops' kernels, counted with those ops
+        kernels = [k for k in event.kernels if not k.name.startswith(RANGE)] if cuda else []
+        own = sum(k.duration for k in kernels) if cuda else event.self_cpu_time_total
+        if not own:
+            continue
+        chain = list(_ancestors(event))
+        node = next((e for e in chain if e.name.startswith(EVALUATE)), None)
+        if any(e.name == RANGE + OPTIMIZER for e in chain):
+            component = OPTIMIZER
+        elif node is None:
+            component = _innermost_range(chain)
+        elif node.name.endswith("CheckpointFunctionBackward"):
+            component = RECOMPUTE
+            recompute[_innermost_range(chain)] += own
+        elif node.name.endswith("AccumulateGrad"):
+            component = ADAPTERS
+        else:
+            component = forward.get((node.fwd_thread, node.sequence_nr), OTHER)
+        totals[component] += own
+        if GEMMS in (component, _innermost_range(chain)):
+            for kernel in kernels:
+                gemm_kernels[kernel.name] += kernel.duration
+    device_total = (sum(e.time_range.elapsed_us() for e in events
+                        if e.device_type == DeviceType.CUDA
+                        and not getattr(e, "is_user_annotation", False)
+                        and not e.name.startswith(RANGE)) if cuda else None)
+    return totals, recompute, device_total, gemm_kernels
+
+
+def profile_update(cycle, update_ms: float, device) -> dict:
+    """One profiled update pass of `cycle` (bench_cycle.Cycle): {component: ms} (GPU idle = the
+    measured update time minus the profiled device time), the recompute's ms by component, the
+    profiled device time and the expert GEMMs' main kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
+                                           else [])
+    with cycle.environment(), Ranges(cycle.model), profile(activities=activities) as prof:
+        cycle.update_pass()
+        sync(device)
+    started = time.perf_counter()
+    totals, recompute, device_total, gemm_kernels = classify(prof.events(), device.type == "cuda")
+    attributed = sum(totals.values())
+    if device_total is not None:  # device time no op claimed (e.g. kernels launched elsewhere)
+        totals[OTHER] += max(0.0, device_total - attributed)
+    busy_ms = (device_total if device_total is not None else attributed) / 1e3
+    ms = {k: v / 1e3 for k, v in totals.items()}
+    ms[IDLE] = max(0.0, update_ms - busy_ms) if device.type == "cuda" else 0.0
+    print(f"[cycle]   profile parsed in {time.perf_counter() - started:.1f} s", flush=True)
+    return {"ms": ms, "recompute_ms": {k: v / 1e3 for k, v in recompute.items()},
+            "busy_ms": busy_ms, "idle_measured": device.type == "cuda",
+            "gemm_kernels": [[name[:90], us / 1e3] for name, us in
+                             gemm_kernels.most_common(TOP_KERNELS)]}
+
+
+def breakdown_table(rows) -> list:
+    """Markdown lines: one row per component, ms / share / recompute ms per profiled arm."""
+    profiled = [r for r in rows if "profile" in r]
+    headers = ["component"] + [f"{r['module']} {unit}" for r in profiled
+                               for unit in ("ms", "share", "recompute ms")]
+    lines = []
+    for component in COMPONENTS + ["total"]:
+        cells = [component]
+        for r in profiled:
+            total = sum(r["profile"]["ms"].values())
+            value = r["profile"]["ms"].get(component, total)
+            again = r["profile"]["recompute_ms"]
+            again = sum(again.values()) if component in (RECOMPUTE, "total") else again[component]
+            cells += [f"{value:.1f}", f"{100 * value / total:.1f}%" if total else "—",
+                      f"{again:.1f}" if again else ""]
+        lines.append(cells)
+    return markdown_table(headers, lines)
+
+
+def kernel_lines(rows) -> list:
+    """Markdown bullets: each profiled arm's main expert GEMM kernels (ms in the update pass)."""
+    return [f"- {r['module']}: " + "; ".join(f"`{name}` {ms:.1f} ms"
+                                             for name, ms in r["profile"]["gemm_kernels"])
+            for r in rows if r.get("profile", {}).get("gemm_kernels")]
+
+
+def plot_breakdown(rows, path, title) -> bool:
+    """Stacked bars of the update pass by component, one bar per profiled arm."""
+    profiled = [r for r in rows if "profile" in r]
+    plt = pyplot()
+    if plt is None or not profiled:
+        return False
+    fig, ax = plt.subplots(figsize=(4.5 + 1.8 * len(profiled), 5))
+    colors = plt.get_cmap("tab20").colors
+    bottoms = [0.0] * len(profiled)
+    for i, component in enumerate(COMPONENTS):
+        values = [r["profile"]["ms"][component] for r in profiled]
+        ax.bar([r["module"].replace(", ", "\n") for r in profiled], values, 0.6, bottom=bottoms,
+               label=component, color="lightgrey" if component == IDLE else colors[i % len(colors)])
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    ax.set_ylabel("update pass, ms")
+    ax.set_title(title, fontsize=10)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    save_figure(plt, fig, path)
+    return True

@@ -1,0 +1,132 @@
+"""bench_cycle.py's report: per slice, the cycle table (median and range, peak memory per phase,
+GPU idle, throughput against the reference arms), issue 19's targets, the update-pass breakdown
+and its plot; the run's header lines; results.md / results.json.
+"""
+
+import cycle_models as cm
+import cycle_profile as cp
+from harness import fmt, markdown_table, ratio, write_report
+
+REFERENCES = ("te", "te-cutlass", "sequential")  # the speed-up columns, when the arm ran
+TARGETS = {"te": 1.47, "te-cutlass": 1.2}  # issue 19: TorchGroupedMLP's throughput over these
+
+
+def _range(value: dict, spec=".0f") -> str:
+    return f"{value['median']:{spec}} ({value['min']:{spec}}–{value['max']:{spec}})"
+
+
+def results_table(rows) -> list:
+    """Markdown lines: one row per arm; speed-ups are cycle throughput against each reference
+    arm with the same expert-adapter layout."""
+    ran = {(r["arm"], r["layout"]): r for r in rows if "note" not in r}
+    references = [a for a in REFERENCES if any(arm == a for arm, _ in ran)]
+    diffs = {r["logprob_diff_vs"] for r in ran.values() if "logprob_diff_vs" in r}
+    headers = (["experts", "expert adapters", "logprob ms", "update ms",
+                "cycle ms, median (min–max)", "tokens/s", "logprob peak GiB", "update peak GiB",
+                "GPU idle in the update pass"]
+               + [f"cycle throughput x {cm.ARMS[a]}" for a in references]
+               + [f"mean abs logprob diff vs {next(iter(diffs), 'the first arm')}"])
+    lines = []
+    for r in rows:
+        if "note" in r:
+            lines.append([r["module"], r["layout"], r["note"]] + [""] * (len(headers) - 3))
+            continue
+        profile = r.get("profile", {})
+        idle = profile["ms"][cp.IDLE] if profile.get("idle_measured") else None
+        update = r["update_ms"]["median"]
+        speedups = [fmt(ratio(ran.get((a, r["layout"]), {}).get("cycle_ms", {}).get("median"),
+                              r["cycle_ms"]["median"]), ".2f") for a in references]
+        lines.append([r["module"], r["layout"], _range(r["logprob_ms"]), _range(r["update_ms"]),
+                      _range(r["cycle_ms"]), fmt(r["tokens_per_s"], ".0f"),
+                      fmt(r.get("logprob_peak_gib"), ".1f"), fmt(r.get("update_peak_gib"), ".1f"),
+                      "—" if idle is None else f"{idle:.0f} ms ({100 * idle / update:.0f}%)",
+                      *speedups, fmt(r.get("logprob_diff"), ".2e")])
+    return markdown_table(headers, lines)
+
+
+def target_lines(rows) -> list:
+    """Markdown bullets: issue 19's targets (set at the Super-like slice) for each layout where
+    TorchGroupedMLP and a TE arm ran: throughput ratios and peak memory no higher."""
+    ran = {(r["arm"], r["layout"]): r for r in rows if "note" not in r}
+    lines = []
+    for (arm, layout), ours in ran.items():
+        if arm != "torch":
+            continue
+        for reference, goal in TARGETS.items():
+            other = ran.get((reference, layout))
+            if other is None:
+                continue
+            speedup = other["cycle_ms"]["median"] / ours["cycle_ms"]["median"]
+            peaks = [(ours.get(f"{p}_peak_gib"), other.get(f"{p}_peak_gib"))
+                     for p in ("logprob", "update")]
+            lower = all(a is not None and b is not None and a <= b for a, b in peaks)
+            lines.append(
+                f"- {layout} adapters: cycle throughput {speedup:.2f}x {cm.ARMS[reference]} "
+                f"(target >= {goal}: {'met' if speedup >= goal else 'MISSED'}); peak GiB "
+                f"logprob {fmt(peaks[0][0], '.1f')} vs {fmt(peaks[0][1], '.1f')}, update "
+                f"{fmt(peaks[1][0], '.1f')} vs {fmt(peaks[1][1], '.1f')} (no higher: "
+                f"{'met' if lower else 'MISSED'})")
+    return lines
+
+
+def run_lines(args, world) -> list:
+    tokens = args.micro_batches * args.micro_batch_size * args.seq
+    return [
+        f"transformer_engine.__version__: {cm.te_version()}",
+        "full recompute: uniform, 1 layer per checkpoint (re-entrant), frozen-input guard",
+        f"MoE: {args.dispatcher} dispatcher, EP={args.ep}, router FP32, no auxiliary loss",
+        f"cycle: logprob pass (eval, no grad) over {args.micro_batches} micro-batches of "
+        f"{args.micro_batch_size} x {args.seq} tokens, then the update pass over the same data "
+        "(forward + backward of a clipped policy-gradient loss per micro-batch, one AdamW step "
+        f"on the adapters); {tokens} tokens per rank and cycle, {world} rank(s)",
+        f"timing: CUDA events around each phase; arms interleaved, {args.warmup} warm-up "
+        f"round(s) then {args.cycles} measured; median (min–max) over the measured cycles; "
+        "tokens/s = tokens of all ranks per cycle / median cycle time; peak = the arm's "
+        "resident tensors + the phase's torch.cuda.max_memory_allocated above its start",
+    ]
+
+
+def slice_report(result, out_dir) -> tuple:
+    """Markdown lines of one slice and the plot written (or None)."""
+    lines = [f"## {result['label']}", ""] + [f"- {h}" for h in result["header"]] + [""]
+    lines += results_table(result["rows"]) + [""]
+    targets = target_lines(result["rows"])
+    if targets:
+        lines += ["Issue 19's targets for TorchGroupedMLP (set at the Super-like slice):", ""]
+        lines += targets + [""]
+    plot = None
+    if any("profile" in r for r in result["rows"]):
+        lines += ["### Update pass by component (torch profiler)", "",
+                  "GPU time of the kernels each component launched in one profiled update pass "
+                  "(forward, recompute, backward, optimizer step; backward kernels go to the "
+                  "component whose forward op made the autograd node; `recompute (forward)` is "
+                  "the forward the checkpoint re-runs); `other` is the device time no component "
+                  "claimed; `GPU idle` is the measured update time minus the profiled device "
+                  "time. Shares of the sum. `recompute ms`: the recompute's part by the "
+                  "component it re-runs (its total on the recompute row).", ""]
+        labelled = [dict(r, module=f"{r['module']} ({r['layout']})") for r in result["rows"]]
+        lines += cp.breakdown_table(labelled) + [""]
+        kernels = cp.kernel_lines(labelled)
+        if kernels:
+            lines += ["Main expert GEMM kernels (GPU ms in the profiled update pass):", ""]
+            lines += kernels + [""]
+        name = f"breakdown-{result['slice']}-{result['layers']}.png"
+        if cp.plot_breakdown(labelled, out_dir / name, f"update pass: {result['label']}"):
+            plot = name
+    failed = [f"- {r['module']} ({r['layout']}): no profile, {r['profile_note']}"
+              for r in result["rows"] if "profile_note" in r]
+    return lines + failed + ([""] if failed else []), plot
+
+
+def write_results(args, lines_header, results):
+    """results.md, results.json and the breakdown plots under --out-dir: the report's text and
+    the names written."""
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    body, written = [], ["results.md", "results.json"]
+    for result in results:
+        more, plot = slice_report(result, args.out_dir)
+        body += more
+        written += [plot] if plot else []
+    text = write_report(args.out_dir, "results", "RL cycle benchmark", lines_header, body,
+                        {"args": {k: str(v) for k, v in vars(args).items()}, "slices": results})
+    return text, written
