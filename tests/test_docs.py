@@ -10,7 +10,6 @@ from doc_snippets import ENABLE_MD, run_snippet, snippets
 from mcore_torch_experts import TorchGroupedMLP
 from test_specs import mlp_kinds, plain_config
 from tiny_gpt import gpt, tiny_config
-from tiny_gpt import megatron_cpu_gpt  # noqa: F401  (fixture)
 
 TESTS = Path(__file__).parent
 
@@ -26,12 +25,12 @@ def test_every_snippet_is_run_by_a_test():
     assert set(snippets()) <= used, f"not run by any test: {sorted(set(snippets()) - used)}"
 
 
-def test_gpt_spec_snippet_builds_torch_experts(megatron_cpu_gpt):
+def test_gpt_spec_snippet_builds_torch_experts(megatron_cpu):
     model = run_snippet("gpt-spec", config=plain_config(transformer_impl="local"))["model"]
     assert mlp_kinds(model)[1:] == [TorchGroupedMLP, TorchGroupedMLP]
 
 
-def test_convert_snippet_converts_every_experts_module(megatron_cpu_gpt, capsys):
+def test_convert_snippet_converts_every_experts_module(megatron_cpu, capsys):
     config = tiny_config(moe_grouped_gemm=False)
     model = gpt(config, gpt_layer_specs.get_gpt_decoder_block_spec(config, False))
     summary = run_snippet("convert", model=model)["summary"]

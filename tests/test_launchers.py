@@ -23,7 +23,6 @@ from bridge_support import import_bridge_peft, run_worker
 from reference import rel_err
 from test_specs import GRAD_TOL, LOGITS_TOL, experts_class, mlp_kinds, plain_config, spec_structure
 from tiny_gpt import forward_backward, freeze_experts, gpt, sequential_to_grouped
-from tiny_gpt import megatron_cpu_gpt  # noqa: F401  (fixture)
 
 
 def megatron_block_with_torch_experts(config, use_transformer_engine):
@@ -128,7 +127,7 @@ def test_callbacks_reject_what_is_not_a_config():
         specs.torch_experts_gpt_spec({"num_layers": 2})
 
 
-def test_model_from_the_gpt_entry_point_matches_the_sequential_mlp_model(megatron_cpu_gpt):
+def test_model_from_the_gpt_entry_point_matches_the_sequential_mlp_model(megatron_cpu):
     config = plain_config(transformer_impl="local")
     ours = gpt(config, specs.torch_experts_gpt_spec(config), seed=1)
     ref_config = plain_config(transformer_impl="local", moe_grouped_gemm=False)
