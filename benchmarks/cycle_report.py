@@ -80,7 +80,8 @@ def run_lines(args, world) -> list:
         "(forward + backward of a clipped policy-gradient loss per micro-batch, one AdamW step "
         f"on the adapters); {tokens} tokens per rank and cycle, {world} rank(s)",
         f"timing: CUDA events around each phase; arms interleaved, {args.warmup} warm-up "
-        f"round(s) then {args.cycles} measured; median (min–max) over the measured cycles; "
+        f"round(s) then {args.cycles} measured (a slice that sets its own count says so); "
+        "median (min–max) over the measured cycles; "
         "tokens/s = tokens of all ranks per cycle / median cycle time; peak = the arm's "
         "resident tensors + the phase's torch.cuda.max_memory_allocated above its start",
     ]
