@@ -16,10 +16,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from mcore_torch_experts import TorchGroupedMLP, _compat, specs
 from mcore_torch_experts.lora import apply_lora, lora_parameters
 from mcore_torch_experts.recompute import install_frozen_input_guard
-from reference import rel_err
 from test_recompute import megatron_cpu_training  # noqa: F401  (fixture)
-from tiny_gpt import (BATCH, NUM_EXPERTS, SEQ, VOCAB, batch, forward_backward, freeze_experts,
-                      sequential_to_grouped, tiny_config)
+from tiny_gpt import (NUM_EXPERTS, SEQ, VOCAB, assert_same_outputs, batch, sequential_to_grouped,
+                      tiny_config)
 
 PATTERN = "*E*E"  # attention, MoE, attention, MoE
 TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
@@ -125,15 +124,7 @@ def test_hybrid_model_matches_the_sequential_mlp_model(megatron_cpu, local_final
     missing, unexpected = ours.load_state_dict(sequential_to_grouped(reference.state_dict()),
                                                strict=False)
     assert unexpected == [] and all(key.endswith("_extra_state") for key in missing)
-    freeze_experts(ours)
-    freeze_experts(reference)
-    logits, loss, grads = forward_backward(ours)
-    ref_logits, ref_loss, ref_grads = forward_backward(reference)
-    assert rel_err(logits, ref_logits) < LOGITS_TOL
-    assert rel_err(loss, ref_loss) < LOGITS_TOL
-    assert grads.keys() == ref_grads.keys() and "embedding.word_embeddings.weight" in grads
-    for name, grad in grads.items():
-        assert rel_err(grad, ref_grads[name]) < GRAD_TOL, name
+    assert_same_outputs(ours, reference, LOGITS_TOL, GRAD_TOL)
 
 
 def adapter_grads(recompute_method, guard):

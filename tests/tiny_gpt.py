@@ -7,6 +7,7 @@ import torch
 from megatron.core.models.gpt import GPTModel
 
 from mcore_torch_experts import TorchExpertsTransformerConfig
+from reference import rel_err
 
 VOCAB, SEQ, BATCH = 128, 16, 2
 MOE_LAYER_FREQ = [0, 1, 1]  # layer 0 dense, layers 1 and 2 MoE
@@ -61,6 +62,20 @@ def forward_backward(model):
     loss.sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     return logits, loss.detach(), grads
+
+
+def assert_same_outputs(ours, reference, logits_tol: float, grad_tol: float) -> None:
+    """Two models with the same weights and frozen experts give the same logits, loss and
+    gradient of every trainable parameter (the embedding's included), within the tolerances."""
+    freeze_experts(ours)
+    freeze_experts(reference)
+    logits, loss, grads = forward_backward(ours)
+    ref_logits, ref_loss, ref_grads = forward_backward(reference)
+    assert rel_err(logits, ref_logits) < logits_tol
+    assert rel_err(loss, ref_loss) < logits_tol
+    assert grads.keys() == ref_grads.keys() and "embedding.word_embeddings.weight" in grads
+    for name, grad in grads.items():
+        assert rel_err(grad, ref_grads[name]) < grad_tol, name
 
 
 SEQUENTIAL_EXPERT_KEY = re.compile(r"(.*\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.(\w+)$")
