@@ -8,6 +8,7 @@ per-expert loop and against SequentialMLP given the same input; settings that ha
 fixed-size buffer or NCCL-EP's zero-copy buffers are refused at build.
 """
 
+import importlib.util
 from types import SimpleNamespace
 
 import pytest
@@ -139,14 +140,15 @@ def scatter_to_tokens(rows_out, token_ids, num_tokens):
         0, token_ids.to(rows_out.device), rows_out[:len(token_ids)].double())
 
 
-def check_against_references(config, experts, seq, run, tokens, indices, probs):
+def check_against_references(config, experts, other, run, tokens, indices, probs):
     """run(experts module, tokens requiring grad) -> restored [N, H]: TorchGroupedMLP against
-    the FP64 loop (output and input gradient) and against SequentialMLP on the same path."""
+    the FP64 loop (output and input gradient) and against `other` (SequentialMLP or
+    TEGroupedMLP with the same weights) on the same path."""
     expected, x64 = fp64_restored(config, experts, tokens, indices, probs)
     grad = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2))
     expected.backward(grad)
     outputs = {}
-    for name, module in (("torch", experts), ("sequential", seq)):
+    for name, module in (("torch", experts), ("other", other)):
         x = tokens.detach().clone().requires_grad_(True)
         out = run(module, x)
         out.backward(grad.to(out.dtype).to(out.device))
@@ -154,8 +156,8 @@ def check_against_references(config, experts, seq, run, tokens, indices, probs):
     out, dx = outputs["torch"]
     assert rel_err(out, expected.detach()) < TOL
     assert rel_err(dx, x64.grad) < TOL
-    assert rel_err(out, outputs["sequential"][0]) < TOL
-    assert rel_err(dx, outputs["sequential"][1]) < TOL
+    assert rel_err(out, outputs["other"][0]) < TOL
+    assert rel_err(dx, outputs["other"][1]) < TOL
 
 
 @needs_0_19
@@ -376,16 +378,35 @@ def test_supported_flex_configs_build(megatron_cpu, backend):
                       TorchGroupedMLP)
 
 
+def te_grouped_mlp_with_weights_of(experts, pg):
+    """Megatron's TEGroupedMLP (TE grouped linears, no op fuser) holding `experts`' weights."""
+    from megatron.core.extensions.transformer_engine import (TEColumnParallelGroupedLinear,
+                                                             TERowParallelGroupedLinear)
+    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
+
+    config = make_config(hidden=HIDDEN, num_experts=NUM_EXPERTS, moe_router_topk=TOPK,
+                         use_cpu_initialization=False)
+    submodules = GroupedMLPSubmodules(linear_fc1=TEColumnParallelGroupedLinear,
+                                      linear_fc2=TERowParallelGroupedLinear)
+    te = TEGroupedMLP(NUM_EXPERTS, config, submodules, pg_collection=pg).cuda()
+    with torch.no_grad():
+        for name in ("linear_fc1", "linear_fc2"):
+            for i, weight in enumerate(getattr(experts, name).expert_weights()):
+                getattr(getattr(te, name), f"weight{i}").copy_(weight)
+    return te.requires_grad_(False)
+
+
 @needs_0_19
 @needs_cuda
 @pytest.mark.parametrize("backend", ["deepep", "deepep_fp64_probs", "hybridep", "ncclep"])
-def test_flex_contract_on_cuda(megatron_world, backend):
+def test_flex_contract_on_cuda(te_world, backend):
     """The same contracts on CUDA, with each backend's split device: DeepEP CPU int64, HybridEP
-    pinned host int64, NCCL-EP device int64 (the kernels TorchGroupedMLP picks on this GPU)."""
+    pinned host int64, NCCL-EP device int64 (the kernels TorchGroupedMLP picks on this GPU); with
+    Transformer Engine importable (the TE leg), TEGroupedMLP on the same path agrees too."""
     router_dtype = "fp64" if backend == "deepep_fp64_probs" else None
     name = backend.split("_")[0]
     extra = dict(moe_expert_rank_capacity_factor=2.0) if name == "ncclep" else {}
-    config, experts, seq = build_pair(megatron_world, "cuda", moe_flex_dispatcher_backend=name,
+    config, experts, seq = build_pair(te_world, "cuda", moe_flex_dispatcher_backend=name,
                                       moe_router_dtype=router_dtype, **extra)
     tokens, indices, probs = received_tokens(64, "cuda")
     _, _, counts, token_ids = expert_major_buffer(tokens, indices, probs)
@@ -409,3 +430,6 @@ def test_flex_contract_on_cuda(megatron_world, backend):
         return scatter_to_tokens(rows_out, token_ids, x.shape[0])
 
     check_against_references(config, experts, seq, run, tokens, indices, probs)
+    if importlib.util.find_spec("transformer_engine") is not None:
+        te = te_grouped_mlp_with_weights_of(experts, te_world)
+        check_against_references(config, experts, te, run, tokens, indices, probs)
