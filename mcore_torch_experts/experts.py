@@ -158,7 +158,8 @@ class TorchGroupedMLP(MegatronModule):
     with rows contiguous by local expert and sum(tokens_per_expert) == T. H is the hidden size, or
     moe_latent_size when set. tokens_per_expert may be a list, a CPU (or pinned) tensor, checked on
     the host, or a device tensor, checked without a host sync. Segments are taken as they arrive,
-    never padded (skip_routed_expert_padding holds for every BF16 setting): docs/scale_out.md.
+    pre-padded ones too: TEGroupedMLP pads them only for FP8/FP4 (refused here), so
+    skip_routed_expert_padding needs no check. The flex dispatcher: docs/scale_out.md.
     """
 
     def __init__(self, num_local_experts: int, config: TransformerConfig, submodules=None,
