@@ -67,15 +67,18 @@ REFUSED_WHEN_SET = {
 # same rows and work; use_fused_weighted_squared_relu and bias_activation_fusion (Megatron's fused
 # activation x probs in TEGroupedMLP) compute what TorchGroupedMLP computes anyway, and so does
 # use_te_activation_func for SwiGLU only (_refuse_te_activation_mismatch); the TE op fuser,
-# routing-map padding (FP8/FP4 only) and the paged stash (HybridEP / NCCL-EP) are refused above.
+# routing-map padding (FP8/FP4 only) and the paged stash (HybridEP / NCCL-EP) are refused above,
+# the flex dispatcher's fixed-size modes in _refuse_fixed_size_flex_dispatch.
 # A fused expert-LoRA switch (none in Megatron-Core 0.16 to 0.19): a field naming LoRA and experts.
 FUSED_EXPERT_LORA_FIELD = re.compile(r"lora.*(expert|moe)|(expert|moe).*lora")
-OFFLOADED_EXPERT_MODULES = {"expert_fc1", "moe_act"}
+OFFLOADED_EXPERT_MODULES = {"expert_fc1", "moe_act", "fused_group_mlp"}  # fused_group_mlp: 0.19+
 
 
 def refuse_unsupported_flags(settings: Mapping[str, object]) -> None:
     """Refuse every REFUSED_WHEN_SET entry and fused expert-LoRA switch that is set in `settings`
-    (a config's fields, or a spec builder's keyword arguments)."""
+    (a config's fields, or a spec builder's keyword arguments), the flex dispatcher's fixed-size
+    modes and expert activation offloading. Runs before Megatron's own checks of the same fields,
+    whose messages ask for the TE op fuser."""
     for field, fix in REFUSED_WHEN_SET.items():
         if settings.get(field):
             _refuse(field, settings[field], fix)
@@ -83,6 +86,37 @@ def refuse_unsupported_flags(settings: Mapping[str, object]) -> None:
         if value and FUSED_EXPERT_LORA_FIELD.search(field):
             _refuse(field, value, f"the fused expert-LoRA path runs its own expert GEMMs; set "
                     f"{field} off. Adapters wrap TorchGroupedMLP's linear_fc1/linear_fc2 instead.")
+    _refuse_fixed_size_flex_dispatch(settings)
+    offloaded = OFFLOADED_EXPERT_MODULES & set(settings.get("offload_modules") or [])
+    if settings.get("fine_grained_activation_offloading") and offloaded:
+        _refuse("offload_modules", sorted(offloaded),
+                "expert activation offloading is not implemented for the torch backend; remove "
+                + " and ".join(repr(module) for module in sorted(offloaded))
+                + " from offload_modules.")
+
+
+def _refuse_fixed_size_flex_dispatch(settings: Mapping[str, object]) -> None:
+    """Megatron-Core 0.19's flex dispatcher modes that hand the experts a fixed-size buffer, with
+    rows past sum(tokens_per_expert), or NCCL-EP's symmetric-memory output buffers: Megatron feeds
+    them to TE's op fuser only (docs/scale_out.md)."""
+    backend = settings.get("moe_flex_dispatcher_backend")
+    if backend == "hybridep" and settings.get("moe_expert_rank_capacity_factor") is not None:
+        _refuse("moe_expert_rank_capacity_factor", settings["moe_expert_rank_capacity_factor"],
+                "HybridEP's static per-rank budget hands the experts a fixed-size buffer with rows "
+                "past sum(tokens_per_expert), which only TE's op fuser reads; set "
+                "moe_expert_rank_capacity_factor=None (HybridEP then sizes each step's buffers).")
+    if backend != "ncclep":
+        return
+    if settings.get("moe_ncclep_zero_copy"):
+        _refuse("moe_ncclep_zero_copy", True,
+                "NCCL-EP zero copy has the experts write into its symmetric-memory buffers "
+                "(output_buffer, grad_input_buffer), which only TE's op fuser fills; set "
+                "moe_ncclep_zero_copy=False and moe_ncclep_static_shape=False.")
+    if settings.get("moe_ncclep_static_shape"):
+        _refuse("moe_ncclep_static_shape", True,
+                "the static shape hands the experts the whole receive buffer, rows past "
+                "sum(tokens_per_expert) included, which only TE's op fuser reads; set "
+                "moe_ncclep_static_shape=False (the dispatcher then narrows to the received rows).")
 
 
 def _refuse_te_activation_mismatch(config: TransformerConfig) -> None:
@@ -115,11 +149,6 @@ def _check_supported_settings(config: TransformerConfig) -> None:
                 "grouped GEMM runs BF16 expert weights on CUDA; set bf16=True and "
                 "params_dtype=torch.bfloat16 (float32 works only for CPU tests with "
                 "use_cpu_initialization=True).")
-    offloaded = OFFLOADED_EXPERT_MODULES & set(getattr(config, "offload_modules", None) or [])
-    if getattr(config, "fine_grained_activation_offloading", False) and offloaded:
-        _refuse("offload_modules", sorted(offloaded),
-                "expert activation offloading is not implemented for the torch backend; remove "
-                "'expert_fc1' and 'moe_act' from offload_modules.")
     recompute_modules = getattr(config, "recompute_modules", None) or []
     if config.recompute_granularity == "selective" and "moe_act" in recompute_modules:
         _refuse("recompute_modules", list(recompute_modules),

@@ -19,7 +19,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import sharded_state_dict_default
 
 from . import _compat
-from .config import validate_torch_experts_config
+from .config import TorchExpertsConfigError, validate_torch_experts_config
 from .grouped_gemm import Splits, find_grouped_mm, frozen_grouped_linear, group_offsets
 from .kernel_choice import choose_expert_kernel, fused_activation_available, fused_gemm_obstacle
 from .packing import PackedExpertWeights
@@ -155,7 +155,11 @@ class TorchGroupedMLP(MegatronModule):
     """Drop-in experts module: fc1 grouped GEMM, activation x probs (FP32), fc2 grouped GEMM.
 
     forward(permuted_hidden [T, H], tokens_per_expert [E], permuted_probs [T]) -> (out [T, H], None)
-    with rows contiguous by local expert. H is the hidden size, or moe_latent_size when set.
+    with rows contiguous by local expert and sum(tokens_per_expert) == T. H is the hidden size, or
+    moe_latent_size when set. tokens_per_expert may be a list, a CPU (or pinned) tensor, checked on
+    the host, or a device tensor, checked without a host sync. Segments are taken as they arrive,
+    pre-padded ones too: TEGroupedMLP pads them only for FP8/FP4 (refused here), so
+    skip_routed_expert_padding needs no check. The flex dispatcher: docs/scale_out.md.
     """
 
     def __init__(self, num_local_experts: int, config: TransformerConfig, submodules=None,
@@ -211,7 +215,20 @@ class TorchGroupedMLP(MegatronModule):
         return config.activation_func(gate) * up
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: Splits,
-                permuted_probs: torch.Tensor):
+                permuted_probs: torch.Tensor, output_buffer: Optional[torch.Tensor] = None,
+                grad_input_buffer: Optional[torch.Tensor] = None):
+        """output_buffer / grad_input_buffer: NCCL-EP zero copy's buffers for the fc2 output and
+        the fc1 input gradient, which MoELayer (0.19) passes only when set. As on TEGroupedMLP's
+        path without the TE op fuser, a buffer is refused: the config refusal
+        (moe_ncclep_zero_copy) keeps the dispatcher from making them."""
+        if output_buffer is not None or grad_input_buffer is not None:
+            given = [name for name, buffer in (("output_buffer", output_buffer),
+                                               ("grad_input_buffer", grad_input_buffer))
+                     if buffer is not None]
+            raise TorchExpertsConfigError(
+                f"TorchGroupedMLP got {' and '.join(given)} (NCCL-EP zero copy): it allocates its "
+                "own outputs, and only TE's op fuser writes into the dispatcher's buffers; set "
+                "moe_ncclep_zero_copy=False and moe_ncclep_static_shape=False.")
         hidden = permuted_local_hidden_states
         probs = permuted_probs.unsqueeze(-1)
         if self.config.moe_apply_probs_on_input:
@@ -248,7 +265,8 @@ class TorchGroupedMLP(MegatronModule):
         return obstacle is None
 
     def backward_dw(self):
-        """Nothing to do: the expert weights are frozen."""
+        """A no-op: the expert weights are frozen, so there is no weight gradient to compute late.
+        MoELayer.backward_dw (Megatron's ExpertsInterface; the 1F1B EP overlap schedule) calls it."""
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """The same keys, global shapes and offsets as TEGroupedMLP (and SequentialMLP)."""

@@ -60,6 +60,8 @@ def group_offsets(tokens_per_expert: Splits, num_groups: int, num_rows: int,
         if total != num_rows:
             raise ValueError(
                 f"tokens_per_expert sums to {total} but the input has {num_rows} rows"
+                + (" (rows past the split sum come from a fixed-size flex dispatch, which "
+                   "TorchGroupedMLP refuses at build: docs/scale_out.md)" if total < num_rows else "")
             )
         return splits.cumsum(0).to(device=device, dtype=torch.int32, non_blocking=True)
     if splits.device != device:

@@ -2,7 +2,8 @@
 # The single-GPU checks on the device machine (H200), from the repository root, with `.whl`
 # carried (megatron-core, and for the Bridge tests megatron-bridge with omegaconf and antlr4):
 #   bash scripts/gpu_checks.sh OUT_DIR
-# Runs the CUDA tests (bf16 parity, no host syncs, fused activation, the FP32-combine layer with
+# Runs the CUDA tests (bf16 parity, no host syncs, fused activation, the flex dispatcher contract
+# (megatron-core 0.19), the FP32-combine layer with
 # the alltoall dispatcher and shared experts, Megatron-Bridge LoRA, weights replaced or moved to
 # CUDA, hooks under the fused kernel choice) and the main
 # job, on whichever megatron-core wheel is carried. Logs land in OUT_DIR.
@@ -16,7 +17,7 @@ export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 status=0
 python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__, torch.cuda.get_device_name())" | tee "$out/checks.log"
 python3 -m pytest -p no:cacheprovider -rs tests/test_gpu.py tests/test_fp32_combine_layer.py tests/test_combine.py \
-  tests/test_bridge_lora.py tests/test_weight_replacement.py tests/test_fused_experts_triton.py 2>&1 | tee -a "$out/checks.log" || status=1
+  tests/test_bridge_lora.py tests/test_weight_replacement.py tests/test_fused_experts_triton.py tests/test_flex_contract.py 2>&1 | tee -a "$out/checks.log" || status=1
 (cd examples && python3 -W ignore::UserWarning finetune_lora.py --out-dir /tmp/finetune_lora) \
   2>&1 | tee "$out/finetune_lora.log" || status=1
 cp /tmp/finetune_lora/loss_curve.png "$out/finetune_loss_curve.png" 2>/dev/null
