@@ -14,7 +14,6 @@ from mcore_torch_experts import (TorchExpertsTransformerConfig, TorchGroupedLine
 from mcore_torch_experts.bridge import _ORIGINAL, merge_bridge_lora
 from mcore_torch_experts.specs import get_gpt_decoder_block_spec
 from reference import make_config, rel_err
-from test_recompute import megatron_cpu_training  # noqa: F401  (fixture)
 from tiny_gpt import sequential_to_grouped
 
 TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
@@ -336,15 +335,13 @@ def test_canonical_lora_trains_the_experts(bridge, megatron_cpu_training):
 
 @pytest.mark.parametrize("layout", ["shared", "per_expert"])
 def test_adapter_only_distributed_checkpoint_round_trip(bridge, megatron_cpu_training, tmp_path,
-                                                        layout, monkeypatch):
+                                                        layout):
     """Bridge's way (`training.checkpointing.apply_peft_adapter_filter_to_state_dict` and
     `peft.utils.load_peft_adapter_checkpoint`, whose module needs nvidia-modelopt, not installed
     here): the model's sharded state dict filtered by `peft.adapter_key_filter`, extra states
     dropped, saved with dist_checkpointing; loaded the same way, then `load_state_dict(strict=False)`."""
     from megatron.core import dist_checkpointing
 
-    if not torch.cuda.is_available():  # Megatron's writer synchronises CUDA (as test_checkpoint)
-        monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
     models, pefts = [], []
     for seed in (0, 0):
         model, peft = gpt("torch"), bridge["LoRA"](target_modules=TARGETS, dim=8, **LAYOUTS[layout])

@@ -17,7 +17,6 @@ from mcore_torch_experts import TorchGroupedMLP, _compat, specs
 from mcore_torch_experts.lora import apply_lora, lora_parameters
 from mcore_torch_experts.recompute import install_frozen_input_guard
 from reference import rel_err
-from test_recompute import megatron_cpu_training  # noqa: F401  (fixture)
 from tiny_gpt import (BATCH, NUM_EXPERTS, SEQ, VOCAB, batch, forward_backward, freeze_experts,
                       sequential_to_grouped, tiny_config)
 

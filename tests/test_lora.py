@@ -23,7 +23,6 @@ from mcore_torch_experts.lora import (
 )
 from mcore_torch_experts.model import build_gpt_model
 from reference import make_config, rel_err
-from test_recompute import megatron_cpu_training  # noqa: F401  (fixture)
 
 IN, OUT, RANK, ALPHA, EXPERTS = 32, 48, 8, 16.0, 4
 TOL = {torch.bfloat16: 3e-2, torch.float32: 1e-5}

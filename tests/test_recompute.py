@@ -9,9 +9,6 @@ frozen embedding's output does not. Without the guard, "uniform" recompute train
 still frozen.
 """
 
-import contextlib
-import types
-
 import pytest
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -25,25 +22,6 @@ from mcore_torch_experts.specs import get_gpt_decoder_block_spec
 NUM_LAYERS, RECOMPUTE_NUM_LAYERS = 4, 2  # block: layers 0-1 checkpointed, 2-3 plain
 VOCAB, SEQ, BATCH = 128, 16, 2
 TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
-
-
-@pytest.fixture
-def megatron_cpu_training(megatron_cpu, monkeypatch):
-    """megatron_cpu, plus what selective "layernorm" recompute needs without Transformer
-    Engine: CheckpointWithoutOutput asks TE whether FP8 is on even when TE is absent; here it
-    answers what TE says without FP8. Test setup only; the code under test is not patched. On a
-    CUDA host too these FP32 models stay on the CPU (megatron_cpu); tests/test_te_lora.py trains
-    adapters under recompute on the GPU with Transformer Engine."""
-    from megatron.core.tensor_parallel import random
-
-    if not hasattr(random, "FP8GlobalStateManager"):
-        monkeypatch.setattr(random, "FP8GlobalStateManager", types.SimpleNamespace(
-            is_fp8_enabled=lambda: False, get_fp8_recipe=lambda: None), raising=False)
-        monkeypatch.setattr(random, "activation_recompute_forward",
-                            lambda *args, **kwargs: contextlib.nullcontext(), raising=False)
-        monkeypatch.setattr(random, "fp8_autocast",
-                            lambda *args, **kwargs: contextlib.nullcontext(), raising=False)
-    return megatron_cpu
 
 
 MLP_TARGETS = ["linear_fc1", "linear_fc2"]  # dense MLP, routed and shared experts: no attention
