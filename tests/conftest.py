@@ -12,11 +12,28 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))  # cpu_support
 
 from cpu_support import megatron_patches  # noqa: E402
+from triton_interpreter import interpreter_is_on, run_interpreted  # noqa: E402
 
 
 def _apply(monkeypatch, patches):
     for patch in patches:
         monkeypatch.setattr(patch.owner, patch.name, patch.value, raising=False)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """A test marked `triton_interpreter` runs its Triton kernels on the CPU: in this process when
+    it started under TRITON_INTERPRET=1, else alone in a child pytest that did (its pass, skip or
+    failure is this test's)."""
+    if pyfuncitem.get_closest_marker("triton_interpreter") is None or interpreter_is_on():
+        return None
+    child = run_interpreted(pyfuncitem.nodeid)
+    if child.returncode == 0 and " passed" not in child.stdout and " skipped" in child.stdout:
+        reasons = [line for line in child.stdout.splitlines() if line.startswith("SKIPPED")]
+        pytest.skip(f"under the Triton interpreter: {reasons[-1] if reasons else 'skipped'}")
+    assert child.returncode == 0 and " passed" in child.stdout, (child.stdout[-4000:]
+                                                                  + child.stderr[-2000:])
+    return True
 
 
 @pytest.fixture(scope="session")
