@@ -118,13 +118,10 @@ def moe_config(backend: str, sizes: Sizes, device: str, *, tp=1, ep=1, etp=1, sp
 
 def moe_layer(config, pg, device):
     """The MoE layer of the package's reference GPT layer spec (experts follow the flag)."""
-    from mcore_torch_experts import _compat
-    from mcore_torch_experts.specs import get_gpt_layer_local_spec
+    from mcore_torch_experts import build_moe_layer
 
     torch.manual_seed(0)
-    layer = _compat.build_moe_layer(get_gpt_layer_local_spec(config).submodules.mlp, config,
-                                    pg_collection=pg)
-    return layer.to(device)
+    return build_moe_layer(config, pg_collection=pg).to(device)
 
 
 # --- global weights and their shards -----------------------------------------------------------
