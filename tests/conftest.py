@@ -2,6 +2,7 @@
 patches of examples/cpu_support.megatron_patches (the one table, each patch with its reason)
 applied and undone after each test. The code under test is not patched."""
 
+import os
 import socket
 import sys
 from pathlib import Path
@@ -9,7 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))  # cpu_support
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))  # cpu_support
+# Child processes (examples, workers, torchrun, benchmarks) import this checkout's package, not
+# whichever copy an editable install points at.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 from cpu_support import megatron_patches  # noqa: E402
 from triton_interpreter import interpreter_is_on, run_interpreted  # noqa: E402

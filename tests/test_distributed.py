@@ -86,8 +86,7 @@ def torchrun(worker: str, nproc: int, args: list, out: Path) -> Launch:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={nproc}", str(WORKERS / worker), "--out", str(out), *args]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
-           "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
     out.mkdir(parents=True, exist_ok=True)
     log = out / "torchrun.log"
     with open(log, "w") as sink:

@@ -367,8 +367,7 @@ def test_tensor_parallel_layout_matches_the_unsharded_model():
          str(script)],
         cwd=root, capture_output=True, text=True, timeout=240,
         env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
-             "PYTHONWARNINGS": "ignore",
-             "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])})
+             "PYTHONWARNINGS": "ignore"})
     assert child.returncode == 0, child.stderr[-4000:]
     reports = json.loads(child.stdout.strip().splitlines()[-1])  # one per rank
     for report in reports:

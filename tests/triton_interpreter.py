@@ -16,11 +16,10 @@ def interpreter_is_on() -> bool:
 
 
 def run_interpreted(*pytest_args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`python -m pytest *pytest_args` from the repository root under TRITON_INTERPRET=1,
-    importing this checkout's package; skip reasons reported (-rs)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    """`python -m pytest *pytest_args` from the repository root under TRITON_INTERPRET=1; skip
+    reasons reported (-rs)."""
     return subprocess.run(
         [sys.executable, "-m", "pytest", *pytest_args, "-q", "-p", "no:cacheprovider",
          "-W", "ignore", "-rs"],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=ROOT, capture_output=True, text=True,
+        timeout=timeout)
