@@ -1,20 +1,119 @@
-"""Run Megatron-Core examples on one process, on a CPU-only host too.
+"""Run Megatron-Core on one process, on a CPU-only host too: the one table of patches the
+examples, the test fixtures (tests/conftest.py) and the torchrun workers (tests/distributed/)
+apply, each with the reason it exists.
 
-megatron-core 0.16.1 refers to `te_general_gemm` in the router even without Transformer Engine
-(on the GPU too): it is defined as None here when TE is absent. On the CPU (a machine without
-CUDA, or `init_single_process_megatron(on_cpu=True)`), the router's `torch.cuda.current_device()`
-answers "cpu", its gating GEMM is torch's (TE's takes CUDA tensors only), and attention dropout's
-CUDA RNG-tracker fork and the checkpoint's CUDA RNG save/restore are no-ops, so the examples
-build and run a real MoE layer or GPTModel (pass an explicit attention mask: Megatron's default
-causal mask is made on CUDA). `megatron_on_cpu_patches` lists them, each with its reason.
+On the CPU (a machine without CUDA, or `init_single_process_megatron(on_cpu=True)`), the router's
+`torch.cuda.current_device()` answers "cpu", its gating GEMM is torch's (TE's takes CUDA tensors
+only), and attention dropout's CUDA RNG-tracker fork and the checkpoint's CUDA RNG save/restore
+are no-ops, so the examples build and run a real MoE layer or GPTModel (pass an explicit
+attention mask: Megatron's default causal mask is made on CUDA). The package is never patched.
 """
 
 import contextlib
 import os
 import socket
 import sys
+import types
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class Patch:
+    """`setattr(owner, name, value)`, and why it is needed."""
+
+    owner: object
+    name: str
+    value: object
+    reason: str
+
+
+def megatron_patches(on_cpu: bool, *, host_streams: bool = False,
+                     recompute_without_te: bool = False) -> list:
+    """[Patch]: what keeps Megatron-Core running in this process. `on_cpu`: a model on the CPU,
+    on a CPU-only host and on a CUDA host alike. `host_streams` (a CPU-only host, one process):
+    the alltoall dispatcher's CUDA streams. `recompute_without_te`: selective "layernorm"
+    recompute without Transformer Engine. Applied for good by `apply` (examples, workers) or,
+    undone after each test, by the fixtures of tests/conftest.py."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker, random
+    from megatron.core.transformer.moe import moe_utils
+
+    patches = []
+    if not hasattr(moe_utils, "te_general_gemm"):
+        patches.append(Patch(moe_utils, "te_general_gemm", None,
+                             "megatron-core 0.16.1's router gating calls `te_general_gemm` even "
+                             "where TE (and so the name) is absent, on the GPU too"))
+    if on_cpu:
+        device_of = torch.cuda.current_device
+
+        def current_device():
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith("megatron.") or not torch.cuda.is_available():
+                return "cpu"
+            return device_of()
+
+        no_op = lambda *args, **kwargs: None  # noqa: E731
+        patches += [
+            Patch(torch.cuda, "current_device", current_device,
+                  "Megatron's router, rope and buffers place tensors on "
+                  "`torch.cuda.current_device()` (on a CUDA host a CPU model would be half moved "
+                  "to the GPU): Megatron's own modules are answered 'cpu'; torch, TE and everyone "
+                  "else get the real device where there is one"),
+            Patch(moe_utils, "te_general_gemm", None,
+                  "with TE importable the router's gating GEMM is TE's, which takes CUDA tensors "
+                  "only (a CPU tensor read as device memory: an illegal memory access on a CUDA "
+                  "host): None is the router's torch.mm path"),
+            Patch(random, "_get_cuda_rng_state", no_op,
+                  "the re-entrant checkpoint saves the CUDA RNG state (a CPU-only torch has "
+                  "none); the CPU generator is still saved and restored"),
+            Patch(random, "_set_cuda_rng_state", no_op, "as `_get_cuda_rng_state`"),
+            Patch(get_cuda_rng_tracker(), "fork",
+                  lambda *args, **kwargs: contextlib.nullcontext(),
+                  "attention dropout forks the model-parallel CUDA RNG"),
+        ]
+        if not torch.cuda.is_available():
+            patches.append(Patch(torch.cuda, "synchronize", no_op,
+                                 "dist_checkpointing's filesystem writer synchronises CUDA; a "
+                                 "CPU-only torch has nothing to wait for"))
+    if host_streams and not torch.cuda.is_available():
+        from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+        stream = HostStream()
+        reason = ("Megatron's alltoall token dispatcher creates a `torch.cuda.Stream` when it is "
+                  "built and moves its split sizes to the host on it: one process's host stream")
+        patches += [Patch(torch.cuda, "Stream", lambda *args, **kwargs: stream, reason),
+                    Patch(torch.cuda, "current_stream", lambda *args, **kwargs: stream, reason),
+                    Patch(torch.cuda, "stream", lambda s: contextlib.nullcontext(), reason),
+                    Patch(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", None, reason)]
+    if recompute_without_te and not hasattr(random, "FP8GlobalStateManager"):
+        reason = ("CheckpointWithoutOutput (selective 'layernorm' recompute) asks TE whether FP8 "
+                  "is on even when TE is absent: it answers what TE says without FP8")
+        null_context = lambda *args, **kwargs: contextlib.nullcontext()  # noqa: E731
+        patches += [Patch(random, "FP8GlobalStateManager", types.SimpleNamespace(
+                        is_fp8_enabled=lambda: False, get_fp8_recipe=lambda: None), reason),
+                    Patch(random, "activation_recompute_forward", null_context, reason),
+                    Patch(random, "fp8_autocast", null_context, reason)]
+    return patches
+
+
+class HostStream:
+    """What the alltoall dispatcher asks of a CUDA stream and of the event it records."""
+
+    def wait_stream(self, other):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self):
+        return self  # an event whose synchronize() returns at once
+
+
+def apply(patches: list) -> None:
+    """Apply `megatron_patches(...)` for the rest of the process."""
+    for patch in patches:
+        setattr(patch.owner, patch.name, patch.value)
 
 
 def _free_port() -> int:
@@ -25,7 +124,7 @@ def _free_port() -> int:
 
 def init_single_process_megatron(on_cpu: bool = None) -> None:
     """One process with Megatron's parallel state (every size 1): NCCL with a GPU, gloo and the
-    CPU adaptations below on the CPU. `on_cpu` (default: when there is no CUDA device) keeps
+    CPU patches above on the CPU. `on_cpu` (default: when there is no CUDA device) keeps
     Megatron on the CPU on a CUDA host too (an FP32 model on the CPU)."""
     from megatron.core import parallel_state
 
@@ -36,63 +135,11 @@ def init_single_process_megatron(on_cpu: bool = None) -> None:
         torch.distributed.init_process_group("gloo" if on_cpu else "nccl", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
-    _define_te_general_gemm_without_te()
-    if on_cpu:
-        _adapt_megatron_to_cpu()
-    else:
+    apply(megatron_patches(on_cpu))
+    if not on_cpu:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(1234)
-
-
-def _define_te_general_gemm_without_te() -> None:
-    """0.16.1's router gating calls `te_general_gemm` even where TE (and so the name) is absent,
-    on the GPU too."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
-def megatron_on_cpu_patches() -> list:
-    """[(owner, attribute, value)]: what keeps Megatron-Core on the CPU in this process, on a
-    CPU-only host and on a CUDA host alike. Applied by `init_single_process_megatron` here and,
-    undone after each test, by the `megatron_cpu` fixture of tests/conftest.py.
-
-    - Megatron's router, rope and buffers place tensors on `torch.cuda.current_device()` (on a
-      CUDA host a CPU model would be half moved to the GPU): Megatron's own modules are answered
-      "cpu"; torch, Transformer Engine and everyone else get the real device where there is one.
-    - With TE importable the router's gating GEMM is TE's, which takes CUDA tensors only (a CPU
-      tensor's memory read as device memory: an illegal memory access on a CUDA host): None is
-      the router's torch.mm path.
-    - Attention dropout forks the model-parallel CUDA RNG and the re-entrant checkpoint saves and
-      restores the CUDA RNG state (a CPU-only torch has none): no-ops here; the CPU generator is
-      still saved and restored.
-    """
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker, random
-    from megatron.core.transformer.moe import moe_utils
-
-    device_of = torch.cuda.current_device
-
-    def current_device():
-        caller = sys._getframe(1).f_globals.get("__name__", "")
-        if caller.startswith("megatron.") or not torch.cuda.is_available():
-            return "cpu"
-        return device_of()
-
-    no_op = lambda *args, **kwargs: None  # noqa: E731
-    return [
-        (torch.cuda, "current_device", current_device),
-        (moe_utils, "te_general_gemm", None),
-        (random, "_get_cuda_rng_state", no_op),
-        (random, "_set_cuda_rng_state", no_op),
-        (get_cuda_rng_tracker(), "fork", lambda *args, **kwargs: contextlib.nullcontext()),
-    ]
-
-
-def _adapt_megatron_to_cpu() -> None:
-    for owner, name, value in megatron_on_cpu_patches():
-        setattr(owner, name, value)
 
 
 def frozen_experts_step(model, vocab_size: int, seq_length: int, batch: int = 2) -> float:
@@ -149,8 +196,6 @@ def import_megatron_bridge():
     """
     import importlib
     import importlib.util
-    import sys
-    import types
 
     bridge_modules = ("megatron.bridge", "megatron.bridge.peft.lora",
                       "megatron.bridge.peft.canonical_lora", "megatron.bridge.peft.dora")

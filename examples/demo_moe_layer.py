@@ -10,13 +10,7 @@ import time
 import torch
 
 from cpu_support import init_single_process_megatron
-from mcore_torch_experts import TorchExpertsTransformerConfig, TorchGroupedMLP, _compat
-from mcore_torch_experts.specs import get_gpt_layer_local_spec
-
-
-def moe_layer(config):
-    """The MoE layer of the reference GPT layer spec for `config`."""
-    return _compat.build_moe_layer(get_gpt_layer_local_spec(config).submodules.mlp, config)
+from mcore_torch_experts import TorchExpertsTransformerConfig, TorchGroupedMLP, build_moe_layer
 
 
 def make_config(args, backend):
@@ -57,8 +51,8 @@ def main():
     init_single_process_megatron()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    ours = moe_layer(make_config(args, "torch")).to(device)
-    reference = moe_layer(make_config(args, "transformer_engine")).to(device)
+    ours = build_moe_layer(make_config(args, "torch")).to(device)
+    reference = build_moe_layer(make_config(args, "transformer_engine")).to(device)
     assert isinstance(ours.experts, TorchGroupedMLP)
     print(f"experts: {type(ours.experts).__name__} ({ours.experts.grouped_mm_name}) vs "
           f"{type(reference.experts).__name__}; {args.experts} experts, top-{args.topk}, "

@@ -29,7 +29,7 @@ import torch
 from megatron.core.models.gpt import GPTModel
 
 from cpu_support import init_single_process_megatron
-from mcore_torch_experts import TorchExpertsTransformerConfig, TorchGroupedMLP, _compat
+from mcore_torch_experts import TorchExpertsTransformerConfig, TorchGroupedMLP, build_moe_layer
 from mcore_torch_experts.lora import (
     apply_lora,
     load_lora_state_dict,
@@ -37,7 +37,7 @@ from mcore_torch_experts.lora import (
     lora_state_dict,
 )
 from mcore_torch_experts.model import build_gpt_model
-from mcore_torch_experts.specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+from mcore_torch_experts.specs import get_gpt_decoder_block_spec
 
 TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 STEPS = (1, 2, 3, 5)  # the synthetic language: x[t+1] = (x[t] + step) mod vocab
@@ -100,8 +100,7 @@ def check_against_sequential_mlp(model, config, device) -> None:
     ours = model.decoder.layers[0].mlp
     reference_config = dataclasses.replace(config, moe_expert_gemm_backend="transformer_engine",
                                            moe_grouped_gemm=False)
-    reference = _compat.build_moe_layer(get_gpt_layer_local_spec(reference_config).submodules.mlp,
-                                        reference_config).to(device)
+    reference = build_moe_layer(reference_config).to(device)
     reference.router.load_state_dict(ours.router.state_dict())
     with torch.no_grad():
         for i, expert in enumerate(reference.experts.local_experts):

@@ -1,66 +1,11 @@
-"""Every difference between the supported Megatron-Core releases (0.16.x to 0.19.x)."""
+"""Every difference between the supported Megatron-Core releases (0.16.x to 0.19.x), and nothing
+else: each section names the releases its shims serve."""
 
-import contextlib
 import dataclasses
 import functools
 import inspect
-from typing import Optional
 
-import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.utils import get_pg_rank, get_pg_size
-
-
-def default_pg_collection(pg_collection: Optional[ProcessGroupCollection]) -> ProcessGroupCollection:
-    """The given process groups, or Megatron's global (mpu) ones."""
-    if pg_collection is not None:
-        return pg_collection
-    return ProcessGroupCollection.use_mpu_process_groups()
-
-
-def group_size(group) -> int:
-    return get_pg_size(group)
-
-
-def group_rank(group) -> int:
-    return get_pg_rank(group)
-
-
-def make_sharded_tensors(state_dict, tp_axis_map, sharded_offsets, tp_group, dp_cp_group):
-    """`make_sharded_tensors_for_checkpoint`, passing the groups only where it takes them."""
-    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
-    params = inspect.signature(make_sharded_tensors_for_checkpoint).parameters
-    kwargs = {}
-    if "tp_group" in params:
-        kwargs["tp_group"] = tp_group
-    if "dp_cp_group" in params:
-        kwargs["dp_cp_group"] = dp_cp_group
-    return make_sharded_tensors_for_checkpoint(state_dict, "", tp_axis_map, sharded_offsets,
-                                               **kwargs)
-
-
-def ensure_dp_cp_group(metadata: Optional[dict]) -> dict:
-    """Megatron >= 0.16 expects `dp_cp_group` in the sharded-state-dict metadata."""
-    from megatron.core.transformer import utils
-
-    ensure = getattr(utils, "ensure_metadata_has_dp_cp_group", None)
-    if ensure is not None:
-        return ensure(metadata)
-    return dict(metadata or {})
-
-
-def expert_rng_fork():
-    """Context in which expert weights are initialised on the GPU (Megatron's expert RNG)."""
-    from megatron.core.tensor_parallel.random import (
-        get_cuda_rng_tracker,
-        get_expert_parallel_rng_tracker_name,
-    )
-
-    tracker = get_cuda_rng_tracker()
-    if torch.cuda.is_available() and tracker.is_initialized():
-        return tracker.fork(get_expert_parallel_rng_tracker_name())
-    return contextlib.nullcontext()
 
 
 # --- Layer specs -------------------------------------------------------------------------------
@@ -129,28 +74,6 @@ def gpt_layer_spec_kwargs(builder, config, **kwargs) -> dict:
     return {k: v for k, v in wanted.items() if k in params}
 
 
-# --- Launchers' spec callbacks -------------------------------------------------------------------
-# Megatron-LM 0.19 (megatron.training.models.gpt.GPTModelBuilder, what `--spec MODULE NAME` feeds)
-# calls a callable `transformer_layer_spec` with its GPTModelConfig, which holds the model's
-# TransformerConfig as the field `transformer` and proxies attribute reads to it (0.18 added
-# HybridModelConfig the same way). Megatron-Bridge providers are TransformerConfig subclasses.
-
-
-def launcher_transformer_config(config):
-    """The TransformerConfig behind what a launcher hands a spec callback: `config` itself, or
-    the `transformer` field of a Megatron-LM model config (GPTModelConfig, HybridModelConfig)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    if isinstance(config, TransformerConfig):
-        return config
-    inner = getattr(config, "transformer", None)
-    if isinstance(inner, TransformerConfig):
-        return inner
-    raise TypeError(
-        f"a spec callback takes a TransformerConfig (or a Megatron-LM model config holding one "
-        f"as `transformer`), got {type(config).__name__}; pass the model's TransformerConfig.")
-
-
 # --- Hybrid (Mamba / attention / MLP / MoE) stacks ----------------------------------------------
 # 0.16/0.17: MambaModel + MambaStack, spec `models.mamba.mamba_layer_specs.mamba_stack_spec`.
 # 0.18+:     HybridModel + HybridStack, spec `models.hybrid.hybrid_layer_specs.hybrid_stack_spec`
@@ -204,12 +127,6 @@ def recompute_block_classes() -> tuple:
 
 
 # --- Token dispatchers ---------------------------------------------------------------------------
-# Both the allgather and the alltoall dispatcher sum a token's top-k rows inside `moe_utils.unpermute`
-# (called without probs: the experts already applied them). FP32CombineMoELayer hands each
-# dispatcher instance a replacement for the method that calls it. The reversed permutation
-# mapping is the rows' token ids (0.16: masked_select; 0.17+: a stable argsort), or TE's row
-# map under moe_permute_fusion; the allgather dispatcher keeps its routing map as `local_map`, the
-# alltoall one as `routing_map`.
 # Alltoall with overlapped shared experts: 0.16/0.17 run the shared experts' fc2 and their output
 # communication in `combine_postprocess`; 0.18+ run them in `token_combine`, before it.
 
@@ -223,59 +140,9 @@ def megatron_core_release() -> tuple:
 
 
 def shared_experts_fc2_in_combine_postprocess() -> bool:
+    """0.16/0.17: the alltoall dispatcher's `combine_postprocess` runs the overlapped shared
+    experts' fc2 and output communication; 0.18+: `token_combine` does, before it."""
     return megatron_core_release() < (0, 18)
-
-
-def permuted_token_ids(routing_map: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """routing_map [T, E] bool -> the token of each of the `num_rows` permuted rows [num_rows]:
-    expert by expert, tokens ascending within each, the order of Megatron's permute and of
-    Transformer Engine's fused one (its row map counts each expert's tokens in token order).
-    No host sync (a stable sort, as Megatron's own permute does from 0.17)."""
-    experts_by_token = routing_map.bool().T.contiguous().reshape(-1)
-    rows = experts_by_token.argsort(descending=True, stable=True)[:num_rows]
-    return rows % routing_map.shape[0]
-
-
-def _token_ids(dispatcher, routing_map: torch.Tensor, permuted: torch.Tensor) -> torch.Tensor:
-    """The token of each row of `permuted` [N, H]. Megatron's permute keeps them as the reversed
-    mapping; with moe_permute_fusion that holds TE's row map instead, and they are rebuilt."""
-    if dispatcher.config.moe_permute_fusion:
-        return permuted_token_ids(routing_map, permuted.shape[0])
-    return dispatcher.reversed_local_input_permutation_mapping
-
-
-def route_unpermute_through(dispatcher, combine) -> None:
-    """Make `dispatcher` sum top-k rows with `combine(permuted [N, H], token_ids [N], restore_shape)`."""
-    from megatron.core.transformer.moe import token_dispatcher as td
-
-    if isinstance(dispatcher, td.MoEAllGatherTokenDispatcher):
-        def combine_preprocess(hidden_states):
-            token_ids = _token_ids(dispatcher, dispatcher.local_map, hidden_states)
-            return combine(hidden_states, token_ids, dispatcher.hidden_shape_before_permute)
-
-        dispatcher.combine_preprocess = combine_preprocess
-    elif isinstance(dispatcher, td.MoEAlltoAllTokenDispatcher):
-        fc2_here = shared_experts_fc2_in_combine_postprocess()
-
-        def combine_postprocess(permuted_local_input_tokens):
-            shared = dispatcher.shared_experts
-            if shared is not None and fc2_here:
-                shared.linear_fc2_forward(permuted_local_input_tokens)
-                shared.post_forward_comm()
-            token_ids = _token_ids(dispatcher, dispatcher.routing_map, permuted_local_input_tokens)
-            output = combine(permuted_local_input_tokens, token_ids,
-                             dispatcher.hidden_shape_before_permute).view(dispatcher.hidden_shape)
-            if shared is not None:
-                output = output + shared.get_output()
-            return output
-
-        dispatcher.combine_postprocess = combine_postprocess
-    else:
-        raise TypeError(
-            f"moe_combine_in_fp32 supports the allgather and alltoall token dispatchers, got "
-            f"{type(dispatcher).__name__}; set moe_token_dispatcher_type to 'allgather' or "
-            "'alltoall', or moe_combine_in_fp32=False."
-        )
 
 
 # --- Converting built experts modules ------------------------------------------------------------
@@ -295,7 +162,8 @@ def convertible_experts_classes() -> tuple:
 def experts_process_groups(experts) -> ProcessGroupCollection:
     """The expert groups (ep, expt_tp, expt_dp) a built Megatron experts module runs with."""
     groups = ProcessGroupCollection(ep=experts.ep_group, expt_tp=experts.tp_group)
-    groups.expt_dp = getattr(experts, "dp_group", None) or default_pg_collection(None).expt_dp
+    groups.expt_dp = (getattr(experts, "dp_group", None)
+                      or ProcessGroupCollection.use_mpu_process_groups().expt_dp)
     return groups
 
 
@@ -314,26 +182,3 @@ def legacy_grouped_mlp():
     from megatron.core.transformer.moe import grouped_gemm_util
 
     return experts.GroupedMLP, grouped_gemm_util.grouped_gemm_is_available
-
-
-# --- Dense-to-MoE upcycling ----------------------------------------------------------------------
-# 0.16 to 0.19 (upcycling_utils.py identical): `_get_config` chooses the target key layout with
-# `isinstance(experts, SequentialMLP)` / `isinstance(experts, TEGroupedMLP)`, looking both names up
-# in the module's globals at call time, and raises TypeError for any other experts class.
-
-
-@contextlib.contextmanager
-def upcycling_accepts_as_te_grouped_mlp(experts_class):
-    """Within the context, Megatron's upcycling takes `experts_class` modules for TEGroupedMLP's
-    layout (`experts.linear_fc{1,2}.weight{i}`); the module global is restored on exit."""
-    from megatron.core.transformer.moe import upcycling_utils
-
-    accepted = upcycling_utils.TEGroupedMLP
-    if isinstance(accepted, tuple) and experts_class in accepted:  # nested: already accepted
-        yield
-        return
-    upcycling_utils.TEGroupedMLP = (accepted, experts_class)
-    try:
-        yield
-    finally:
-        upcycling_utils.TEGroupedMLP = accepted

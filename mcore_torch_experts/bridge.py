@@ -27,8 +27,9 @@ import sys
 from typing import List
 
 import torch
+from megatron.core.utils import get_pg_size
 
-from . import _compat, experts
+from . import experts
 from .experts import TorchGroupedLinear
 
 _ORIGINAL = "__torch_experts_original__"
@@ -73,7 +74,7 @@ experts.ON_BUILD.append(register_if_bridge_loaded)  # Bridge's PEFT, when used, 
 def adapter_attributes(module: TorchGroupedLinear, utils):
     """Bridge's AdapterAttributes of a TorchGroupedLinear: those of a TE grouped linear of the same
     parallel mode (features of the whole, not the expert-TP shard, on the parallel side)."""
-    tp_size = _compat.group_size(module._pg_collection.expt_tp)
+    tp_size = get_pg_size(module._pg_collection.expt_tp)
     column = module.parallel_mode == "column"
     return utils.AdapterAttributes(
         input_is_parallel=not column,
@@ -252,7 +253,7 @@ def merge_bridge_lora(model) -> List[str]:
     merged = []
     for _, name, wrapper in found:
         base, adapter = wrapper.to_wrap, wrapper.adapter
-        if _compat.group_size(base._pg_collection.expt_tp) > 1:
+        if get_pg_size(base._pg_collection.expt_tp) > 1:
             raise NotImplementedError(f"merge_bridge_lora: {name} has expert tensor parallelism "
                                       "> 1; merge on a model loaded with ETP=1")
         if not isinstance(adapter.activation, torch.nn.Identity):

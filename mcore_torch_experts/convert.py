@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import List, Sequence, Tuple, Union
 
 import torch
+from megatron.core.utils import get_pg_size
 
 from . import _compat
 from .config import validate_torch_experts_config
@@ -73,8 +74,8 @@ def _validated_targets(root: torch.nn.Module) -> List[str]:
         if isinstance(module, classes):
             _refuse_wrapped_linears(module, name)
             validate_torch_experts_config(_build_config(module),
-                                          _compat.group_size(module.ep_group),
-                                          _compat.group_size(module.tp_group))
+                                          get_pg_size(module.ep_group),
+                                          get_pg_size(module.tp_group))
             names.append(name)
     return names
 

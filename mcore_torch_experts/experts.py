@@ -5,20 +5,30 @@ Each projection keeps its E expert weights in one contiguous, non-persistent buf
 and state-dict keys are those of TEGroupedMLP and nothing new is checkpointed.
 """
 
+import contextlib
 from typing import Callable, List, Optional
 
 import torch
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.tensor_parallel.layers import (
     _initialize_affine_weight_cpu,
     set_tensor_model_parallel_attributes,
 )
+from megatron.core.tensor_parallel.random import (
+    get_cuda_rng_tracker,
+    get_expert_parallel_rng_tracker_name,
+)
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import sharded_state_dict_default
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_tensors_for_checkpoint,
+    sharded_state_dict_default,
+)
+from megatron.core.utils import get_pg_rank, get_pg_size
 
-from . import _compat
 from .config import TorchExpertsConfigError, validate_torch_experts_config
 from .grouped_gemm import Splits, find_grouped_mm, frozen_grouped_linear, group_offsets
 from .kernel_choice import choose_expert_kernel, fused_activation_available, fused_gemm_obstacle
@@ -27,6 +37,14 @@ from .packing import PackedExpertWeights
 ON_BUILD: List[Callable[[], None]] = []
 """Called, without arguments, whenever a TorchGroupedMLP is built: integrations that must know
 the experts before they are used add themselves here."""
+
+
+def _expert_rng_fork():
+    """Context in which expert weights are initialised on the GPU (Megatron's expert RNG)."""
+    tracker = get_cuda_rng_tracker()
+    if torch.cuda.is_available() and tracker.is_initialized():
+        return tracker.fork(get_expert_parallel_rng_tracker_name())
+    return contextlib.nullcontext()
 
 
 class TorchGroupedLinear(PackedExpertWeights):
@@ -41,7 +59,7 @@ class TorchGroupedLinear(PackedExpertWeights):
     def __init__(self, num_experts: int, input_size: int, output_size: int, *,
                  config: TransformerConfig, init_method, parallel_mode: str, stride: int,
                  pg_collection, name: str):
-        tp_size = _compat.group_size(pg_collection.expt_tp)
+        tp_size = get_pg_size(pg_collection.expt_tp)
         if parallel_mode == "column":
             local_out, local_in, partition_dim = output_size // tp_size, input_size, 0
         else:
@@ -78,10 +96,10 @@ class TorchGroupedLinear(PackedExpertWeights):
                 weight, output_size, input_size,
                 self.out_features if partition_dim == 0 else self.in_features,
                 partition_dim, init_method, stride=stride, params_dtype=self.config.params_dtype,
-                rank=_compat.group_rank(self._pg_collection.expt_tp), world_size=tp_size,
+                rank=get_pg_rank(self._pg_collection.expt_tp), world_size=tp_size,
                 skip_set_tensor_parallel_attributes=True)
         else:
-            with _compat.expert_rng_fork():
+            with _expert_rng_fork():
                 init_method(weight.data)
 
     def get_extra_state(self):
@@ -119,14 +137,14 @@ class TorchGroupedLinear(PackedExpertWeights):
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """One ShardedTensor per expert under the keys TE grouped linears use."""
-        metadata = _compat.ensure_dp_cp_group(metadata)
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
         singleton_local_shards = metadata.get("singleton_local_shards", False)
         tp_axis = 0 if self.parallel_mode == "column" else 1
         ep_group = self._pg_collection.ep
-        num_global = _compat.group_size(ep_group) * self.num_experts
-        first_global = _compat.group_rank(ep_group) * self.num_experts
+        num_global = get_pg_size(ep_group) * self.num_experts
+        first_global = get_pg_rank(ep_group) * self.num_experts
         ep_axis = len(sharded_offsets)
-        expert_dp_rank = _compat.group_rank(self._pg_collection.expt_dp)
+        expert_dp_rank = get_pg_rank(self._pg_collection.expt_dp)
         result = {}
         for i, weight in enumerate(self.expert_weights()):
             global_idx = first_global + i
@@ -136,9 +154,9 @@ class TorchGroupedLinear(PackedExpertWeights):
                 expert_prefix = prefix
                 offsets = (*sharded_offsets, (ep_axis, global_idx, num_global))
             local = {f"{i}.weight": weight, f"{i}._extra_state": None}
-            sub = _compat.make_sharded_tensors(local, {f"{i}.weight": tp_axis}, offsets,
-                                               self._pg_collection.expt_tp,
-                                               metadata.get("dp_cp_group"))
+            sub = make_sharded_tensors_for_checkpoint(
+                local, "", {f"{i}.weight": tp_axis}, offsets,
+                tp_group=self._pg_collection.expt_tp, dp_cp_group=metadata.get("dp_cp_group"))
             replace_prefix_for_sharding(sub, f"{i}.", expert_prefix)
             result[f"{prefix}weight{i}"] = sub[f"{i}.weight"]
             result[f"{prefix}_extra_state{'' if i == 0 else i}"] = sub[f"{i}._extra_state"]
@@ -165,12 +183,13 @@ class TorchGroupedMLP(MegatronModule):
     def __init__(self, num_local_experts: int, config: TransformerConfig, submodules=None,
                  pg_collection=None, name: Optional[str] = None):
         super().__init__(config=config)
-        pg_collection = _compat.default_pg_collection(pg_collection)
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         self.num_local_experts = num_local_experts
         self.ep_group = pg_collection.ep
         self.tp_group = pg_collection.expt_tp
-        ep_size = _compat.group_size(self.ep_group)
-        etp_size = _compat.group_size(self.tp_group)
+        ep_size = get_pg_size(self.ep_group)
+        etp_size = get_pg_size(self.tp_group)
         validate_torch_experts_config(config, ep_size, etp_size)
         if num_local_experts * ep_size != config.num_moe_experts:
             raise ValueError(
@@ -270,10 +289,10 @@ class TorchGroupedMLP(MegatronModule):
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """The same keys, global shapes and offsets as TEGroupedMLP (and SequentialMLP)."""
-        metadata = _compat.ensure_dp_cp_group(metadata)
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
         singleton_local_shards = metadata.get("singleton_local_shards", False)
-        num_global = _compat.group_size(self.ep_group) * self.num_local_experts
-        first_global = _compat.group_rank(self.ep_group) * self.num_local_experts
+        num_global = get_pg_size(self.ep_group) * self.num_local_experts
+        first_global = get_pg_rank(self.ep_group) * self.num_local_experts
         result = {}
         for name, module in self._modules.items():
             sub = sharded_state_dict_default(module, f"{name}.", sharded_offsets, metadata,

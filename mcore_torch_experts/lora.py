@@ -38,8 +38,8 @@ from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
 )
+from megatron.core.utils import get_pg_size
 
-from . import _compat
 from .grouped_gemm import Splits, find_grouped_mm, group_offsets
 
 EXPERT_ADAPTERS = ("shared", "per_expert")
@@ -202,7 +202,7 @@ def _dense_adapter(name, base, rank, alpha, dropout, dtype):
     out_features, in_features = base.weight.shape
     mode = _parallel_mode(base)
     tp_group = getattr(base, "tp_group", None)
-    tp_size = _compat.group_size(tp_group)
+    tp_size = get_pg_size(tp_group)
     if tp_size > 1:
         if mode not in ("column", "row"):
             raise NotImplementedError(f"{name}: unknown tensor-parallel layout {mode!r}")

@@ -1,10 +1,12 @@
-"""A GPTModel built from the reference block spec, ready for adapter training under recompute."""
+"""Models built from the reference specs: a GPTModel ready for adapter training under recompute,
+and one MoE layer."""
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from . import _compat
 from .recompute import install_frozen_input_guard
-from .specs import get_gpt_decoder_block_spec
+from .specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
 
 def build_gpt_model(config: TransformerConfig, *, vocab_size: int, max_sequence_length: int,
@@ -19,3 +21,11 @@ def build_gpt_model(config: TransformerConfig, *, vocab_size: int, max_sequence_
                      max_sequence_length=max_sequence_length, **gpt_kwargs)
     install_frozen_input_guard(model)
     return model
+
+
+def build_moe_layer(config: TransformerConfig, **kwargs):
+    """The MoE layer of `specs.get_gpt_layer_local_spec(config)` (experts follow
+    `moe_expert_gemm_backend`: TorchGroupedMLP, or Megatron's choice), built with `config` and
+    `kwargs` (e.g. `pg_collection`)."""
+    return _compat.build_moe_layer(get_gpt_layer_local_spec(config).submodules.mlp, config,
+                                   **kwargs)

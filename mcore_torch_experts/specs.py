@@ -143,6 +143,21 @@ def gpt_transformer_layer_spec(config: TransformerConfig, vp_stage: Optional[int
 LAUNCHER_TRANSFORMER_IMPLS = ("transformer_engine", "local")
 
 
+def launcher_transformer_config(config):
+    """The TransformerConfig behind what a launcher hands a spec callback: `config` itself (a
+    Megatron-Bridge provider), or the `transformer` field of a Megatron-LM model config
+    (Megatron-LM 0.19's GPTModelBuilder, what `--spec MODULE NAME` feeds, calls a callable
+    `transformer_layer_spec` with its GPTModelConfig; HybridModelConfig holds it the same way)."""
+    if isinstance(config, TransformerConfig):
+        return config
+    inner = getattr(config, "transformer", None)
+    if isinstance(inner, TransformerConfig):
+        return inner
+    raise TypeError(
+        f"a spec callback takes a TransformerConfig (or a Megatron-LM model config holding one "
+        f"as `transformer`), got {type(config).__name__}; pass the model's TransformerConfig.")
+
+
 def _launcher_uses_transformer_engine(config: TransformerConfig) -> bool:
     """Whether `config.transformer_impl` (Megatron-LM's `--transformer-impl`, a Bridge provider's
     field) asks for Transformer Engine modules; "inference_optimized" is refused."""
@@ -166,7 +181,7 @@ def torch_experts_gpt_spec(config, vp_stage: Optional[int] = None):
     vp_stage=...)`), or Megatron-LM 0.19's GPTModelConfig (`--spec mcore_torch_experts.specs
     torch_experts_gpt_spec`), whose `transformer` field is the config every check runs on.
     """
-    config = _compat.launcher_transformer_config(config)
+    config = launcher_transformer_config(config)
     use_transformer_engine = _launcher_uses_transformer_engine(config)
     torch_experts = _check_torch_experts(config, {}, absent="torch")
     return _decoder_block_spec(config, use_transformer_engine, torch_experts,
@@ -179,7 +194,7 @@ def torch_experts_hybrid_stack_spec(config):
     `hybrid_stack_spec(provider)`): Megatron's hybrid stack spec (Transformer Engine modules, as
     Bridge's default) with TorchGroupedMLP experts in its MoE layer, unless
     `moe_expert_gemm_backend` says "transformer_engine" (absent means "torch")."""
-    config = _compat.launcher_transformer_config(config)
+    config = launcher_transformer_config(config)
     torch_experts = _check_torch_experts(config, {}, absent="torch")
     return _hybrid_stack_spec(config, _compat.megatron_hybrid_stack_spec(), torch_experts)
 

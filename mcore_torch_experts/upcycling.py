@@ -6,7 +6,8 @@ and TEGroupedMLP's (`experts.linear_fc1.weight{i}`). TorchGroupedMLP has TEGroup
 Megatron picks the layout with `isinstance(experts, TEGroupedMLP)` and refuses any other class.
 Here Megatron's own code runs with TorchGroupedMLP accepted as the TEGroupedMLP layout, so the
 weights, scales and router splits are exactly Megatron's; the resulting state dict loads into the
-packed expert buffers.
+packed expert buffers. (0.16 to 0.19: `upcycling_utils.py` is the same; `_get_config` looks
+`SequentialMLP` and `TEGroupedMLP` up in the module's globals at call time.)
 """
 
 import contextlib
@@ -15,7 +16,6 @@ from typing import Callable, Sequence
 import torch
 from megatron.core.transformer.moe import upcycling_utils
 
-from . import _compat
 from .experts import TorchGroupedMLP
 
 
@@ -30,8 +30,15 @@ def torch_experts_upcycling():
         with torch_experts_upcycling():
             pretrain(...)
     """
-    with _compat.upcycling_accepts_as_te_grouped_mlp(TorchGroupedMLP):
+    accepted = upcycling_utils.TEGroupedMLP
+    if isinstance(accepted, tuple) and TorchGroupedMLP in accepted:  # nested: already accepted
         yield
+        return
+    upcycling_utils.TEGroupedMLP = (accepted, TorchGroupedMLP)
+    try:
+        yield
+    finally:
+        upcycling_utils.TEGroupedMLP = accepted
 
 
 def upcycle_state_dict(moe_model: Sequence[torch.nn.Module],

@@ -1,5 +1,8 @@
-"""Shared fixtures: a one-process gloo world with Megatron's parallel state, on the CPU."""
+"""Every fixture of the tests: a one-process gloo world with Megatron's parallel state, with the
+patches of examples/cpu_support.megatron_patches (the one table, each patch with its reason)
+applied and undone after each test. The code under test is not patched."""
 
+import os
 import socket
 import sys
 from pathlib import Path
@@ -7,26 +10,35 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))  # cpu_support
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))  # cpu_support
+# Child processes (examples, workers, torchrun, benchmarks) import this checkout's package, not
+# whichever copy an editable install points at.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+from cpu_support import megatron_patches  # noqa: E402
+from triton_interpreter import interpreter_is_on, run_interpreted  # noqa: E402
 
 
-def _define_te_general_gemm_without_te(monkeypatch):
-    """megatron-core 0.16.1's `moe_utils` references `te_general_gemm` even when Transformer
-    Engine is absent (a NameError in the router, on GPUs too): without TE it is None."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        monkeypatch.setattr(moe_utils, "te_general_gemm", None, raising=False)
+def _apply(monkeypatch, patches):
+    for patch in patches:
+        monkeypatch.setattr(patch.owner, patch.name, patch.value, raising=False)
 
 
-def _patch_megatron_for_cpu(monkeypatch):
-    """Test-only: the patches that keep Megatron-Core on the CPU, on any host (a CUDA host with
-    TE too), each with its reason: examples/cpu_support.megatron_on_cpu_patches, the one table the
-    examples and these tests share. Undone after each test; the code under test is not patched."""
-    from cpu_support import megatron_on_cpu_patches
-
-    for owner, name, value in megatron_on_cpu_patches():
-        monkeypatch.setattr(owner, name, value, raising=False)
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """A test marked `triton_interpreter` runs its Triton kernels on the CPU: in this process when
+    it started under TRITON_INTERPRET=1, else alone in a child pytest that did (its pass, skip or
+    failure is this test's)."""
+    if pyfuncitem.get_closest_marker("triton_interpreter") is None or interpreter_is_on():
+        return None
+    child = run_interpreted(pyfuncitem.nodeid)
+    if child.returncode == 0 and " passed" not in child.stdout and " skipped" in child.stdout:
+        reasons = [line for line in child.stdout.splitlines() if line.startswith("SKIPPED")]
+        pytest.skip(f"under the Triton interpreter: {reasons[-1] if reasons else 'skipped'}")
+    assert child.returncode == 0 and " passed" in child.stdout, (child.stdout[-4000:]
+                                                                  + child.stderr[-2000:])
+    return True
 
 
 @pytest.fixture(scope="session")
@@ -53,9 +65,7 @@ def megatron_world(_gloo_world, monkeypatch):
     host's device (CUDA where present): the CPU patches only on a host without CUDA."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    _define_te_general_gemm_without_te(monkeypatch)
-    if not torch.cuda.is_available():
-        _patch_megatron_for_cpu(monkeypatch)
+    _apply(monkeypatch, megatron_patches(on_cpu=not torch.cuda.is_available()))
     return ProcessGroupCollection.use_mpu_process_groups()
 
 
@@ -63,8 +73,17 @@ def megatron_world(_gloo_world, monkeypatch):
 def megatron_cpu(megatron_world, monkeypatch):
     """megatron_world for a model on the CPU, on any host (a CUDA host with TE too): the CPU
     patches applied."""
-    _patch_megatron_for_cpu(monkeypatch)
+    _apply(monkeypatch, megatron_patches(on_cpu=True))
     return megatron_world
+
+
+@pytest.fixture
+def megatron_cpu_training(megatron_cpu, monkeypatch):
+    """megatron_cpu, plus what selective "layernorm" recompute needs without Transformer Engine.
+    On a CUDA host too these FP32 models stay on the CPU; tests/test_te_lora.py trains adapters
+    under recompute on the GPU with Transformer Engine."""
+    _apply(monkeypatch, megatron_patches(on_cpu=True, recompute_without_te=True))
+    return megatron_cpu
 
 
 @pytest.fixture
@@ -79,14 +98,7 @@ def te_world(megatron_world):
 
 @pytest.fixture
 def cpu_cuda_streams(monkeypatch):
-    """CUDA-stream stand-ins (tests/host_streams.py) so Megatron's alltoall token dispatcher runs
-    on a CPU-only machine. Test setup only; the code under test is not patched."""
-    if torch.cuda.is_available():
-        return
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-
-    from host_streams import cuda_stream_patches
-
-    for owner, name, stand_in in cuda_stream_patches():
-        monkeypatch.setattr(owner, name, stand_in)
-    monkeypatch.setattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", None, raising=False)
+    """Host stand-ins for the CUDA streams of Megatron's alltoall token dispatcher on a CPU-only
+    machine (one process, expert parallel size 1); nothing on a CUDA host."""
+    on_cpu = not torch.cuda.is_available()
+    _apply(monkeypatch, megatron_patches(on_cpu=on_cpu, host_streams=on_cpu))

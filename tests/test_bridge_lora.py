@@ -14,8 +14,7 @@ from mcore_torch_experts import (TorchExpertsTransformerConfig, TorchGroupedLine
 from mcore_torch_experts.bridge import _ORIGINAL, merge_bridge_lora
 from mcore_torch_experts.specs import get_gpt_decoder_block_spec
 from reference import make_config, rel_err
-from test_recompute import megatron_cpu_training  # noqa: F401  (fixture)
-from tiny_gpt import sequential_to_grouped
+from tiny_gpt import SEQ, VOCAB, fp32_moe_config, lm_batch, sequential_to_grouped
 
 TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 LAYOUTS = {  # Bridge LoRA arguments of each expert-adapter layout
@@ -31,8 +30,6 @@ SPLITS = {"uniform": [5, 5, 5, 5], "zero_experts": [0, 12, 0, 8], "empty_batch":
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
                           reason="needs a CUDA device (BF16 grouped GEMM on the GPU)")
 BF16_TOL = 2e-2  # relative L2 against FP64 (BF16 on the CPU gives at most 8e-3 here)
-VOCAB, SEQ, BATCH = 128, 16, 2
-NUM_LAYERS = 4  # every layer MoE, no shared experts
 
 
 def recompute_config(recompute_method=None) -> TorchExpertsTransformerConfig:
@@ -40,13 +37,7 @@ def recompute_config(recompute_method=None) -> TorchExpertsTransformerConfig:
     `recompute_method` over 2 layers per checkpoint when given."""
     recompute = dict(recompute_granularity="full", recompute_method=recompute_method,
                      recompute_num_layers=2) if recompute_method else {}
-    return TorchExpertsTransformerConfig(
-        num_layers=NUM_LAYERS, hidden_size=64, num_attention_heads=4, num_moe_experts=4,
-        moe_ffn_hidden_size=64, ffn_hidden_size=64, moe_router_topk=2, moe_grouped_gemm=True,
-        moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
-        use_cpu_initialization=True, moe_expert_gemm_backend="torch", **recompute)
+    return fp32_moe_config(**recompute)
 
 
 @pytest.fixture(scope="module")
@@ -183,14 +174,6 @@ def gpt(backend, seed=0, **overrides):
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
                     max_sequence_length=SEQ)
-
-
-def lm_batch():
-    generator = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
-    return dict(input_ids=tokens, position_ids=torch.arange(SEQ).expand(BATCH, SEQ),
-                attention_mask=torch.ones(1, 1, SEQ, SEQ).triu(1).bool(),
-                labels=torch.roll(tokens, -1, dims=1))
 
 
 def loss_and_grads(model):
@@ -336,15 +319,13 @@ def test_canonical_lora_trains_the_experts(bridge, megatron_cpu_training):
 
 @pytest.mark.parametrize("layout", ["shared", "per_expert"])
 def test_adapter_only_distributed_checkpoint_round_trip(bridge, megatron_cpu_training, tmp_path,
-                                                        layout, monkeypatch):
+                                                        layout):
     """Bridge's way (`training.checkpointing.apply_peft_adapter_filter_to_state_dict` and
     `peft.utils.load_peft_adapter_checkpoint`, whose module needs nvidia-modelopt, not installed
     here): the model's sharded state dict filtered by `peft.adapter_key_filter`, extra states
     dropped, saved with dist_checkpointing; loaded the same way, then `load_state_dict(strict=False)`."""
     from megatron.core import dist_checkpointing
 
-    if not torch.cuda.is_available():  # Megatron's writer synchronises CUDA (as test_checkpoint)
-        monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
     models, pefts = [], []
     for seed in (0, 0):
         model, peft = gpt("torch"), bridge["LoRA"](target_modules=TARGETS, dim=8, **LAYOUTS[layout])

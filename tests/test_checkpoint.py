@@ -41,14 +41,6 @@ def test_sharded_layout_matches_sequential_mlp(megatron_cpu, glu):
     assert len(fc1) == (8 if glu else 4)  # one per expert (GLU: gate and up halves separately)
 
 
-@pytest.fixture
-def cpu_checkpointing(monkeypatch):
-    """Megatron's filesystem writer calls torch.cuda.synchronize(); a CPU-only build has no CUDA
-    to synchronise, so the call is a no-op here (test setup only, not the code under test)."""
-    if not torch.cuda.is_available():
-        monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
-
-
 def _load(module, directory):
     sharded = module.sharded_state_dict(prefix=PREFIX)
     loaded = dist_checkpointing.load(sharded, str(directory))
@@ -64,7 +56,7 @@ def _expert_weights(module):
 
 
 @pytest.mark.parametrize("direction", ["sequential_to_torch", "torch_to_sequential"])
-def test_dist_checkpoint_round_trip(megatron_cpu, cpu_checkpointing, tmp_path, direction):
+def test_dist_checkpoint_round_trip(megatron_cpu, tmp_path, direction):
     config = make_config()
     torch.manual_seed(1)
     seq = sequential_mlp(config, megatron_cpu)
@@ -88,8 +80,7 @@ def _files_bytes(directory) -> int:
 
 
 @pytest.mark.parametrize("glu", [True, False])
-def test_dist_checkpoint_is_no_larger_than_sequential_mlps(megatron_cpu, cpu_checkpointing,
-                                                           tmp_path, glu):
+def test_dist_checkpoint_is_no_larger_than_sequential_mlps(megatron_cpu, tmp_path, glu):
     """Every expert weight is a view of the whole packed buffer; a torch_dist checkpoint still
     holds each expert once, not the buffer once per expert."""
     num_experts = 8

@@ -18,6 +18,7 @@ from mcore_torch_experts.combine import (
     chunk_rows_from_env,
     fp32_combine,
 )
+from triton_interpreter import ROOT, run_interpreted
 
 FP32_UNIT_ROUNDOFF = 2.0 ** -24
 BF16_RTNE_REL_ERR = 2.0 ** -8  # round to nearest: half a bf16 ulp (8 significant bits)
@@ -302,12 +303,7 @@ def test_triton_tests_pass_under_the_interpreter():
         pytest.skip("this process already runs the triton tests under the interpreter")
     if torch.cuda.is_available():
         pytest.skip("on a CUDA host this process runs the triton tests compiled, on the GPU")
-    child = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-W", "ignore",
-         "-k", "triton", "-rs"],
-        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parents[1],
-        capture_output=True, text=True, timeout=300,
-    )
+    child = run_interpreted(str(Path(__file__).resolve().relative_to(ROOT)), "-k", "triton", timeout=300)
     assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
     assert " passed" in child.stdout and " failed" not in child.stdout, child.stdout[-4000:]
 

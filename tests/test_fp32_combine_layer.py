@@ -84,10 +84,8 @@ def test_top_k_sum_is_rounded_once(megatron_world, cpu_cuda_streams, monkeypatch
 
 
 def test_unsupported_dispatcher_is_refused(megatron_world):
-    from mcore_torch_experts import _compat
-
     with pytest.raises(TypeError, match="allgather and alltoall"):
-        _compat.route_unpermute_through(object(), lambda *a: None)
+        moe_layer_module.route_unpermute_through(object(), lambda *a: None)
 
 
 def test_reference_spec_builds_fp32_combine_layers_when_asked():
@@ -222,7 +220,7 @@ def test_token_ids_rebuilt_for_the_fused_permutation_are_megatrons(case):
     num_rows = int(routing_map.sum())
     permuted, _, megatron_ids = permute(tokens, routing_map, num_out_tokens=num_rows)[:3]
 
-    token_ids = _compat.permuted_token_ids(routing_map, num_rows)
+    token_ids = moe_layer_module.permuted_token_ids(routing_map, num_rows)
 
     assert torch.equal(token_ids, megatron_ids)
     assert torch.equal(tokens[token_ids], permuted)

@@ -1,18 +1,15 @@
-"""The fused expert GEMM kernels against the FP64 loop (Triton interpreter on the CPU, in a child
-process: TRITON_INTERPRET=1 must be set before triton is first imported), and how
-TorchGroupedMLP chooses and refuses them."""
+"""The fused expert GEMM kernels against the FP64 loop (on the CPU under the Triton interpreter: the
+`triton_interpreter` marker, tests/triton_interpreter.py), and how TorchGroupedMLP chooses and
+refuses them."""
 
 import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from mcore_torch_experts import TorchGroupedMLP
 from mcore_torch_experts.kernel_choice import choose_expert_kernel
+from reference import fp64_experts, rel_err
 from reference import make_config as _make_config
 
 
@@ -24,13 +21,36 @@ def make_config(moe_expert_kernel=None, **kw):
     return config
 
 
-CHECK = textwrap.dedent("""
-    import torch
+def check_clamp_backward(config, x, probs, w1, w2, offs, splits, grad):
+    """The interpreter truncates fc1's output to bf16, so which values pass the clamp's bound
+    differs from a rounded reference: the backward kernel against FP64 autograd from the h the
+    forward kernel saved."""
     from mcore_torch_experts.activation_triton import SILU
-    from mcore_torch_experts.fused_experts_triton import (
-        covers, fc1_activation, fc2_dgrad_activation, fused_experts)
+    from mcore_torch_experts.fused_experts_triton import fc1_activation, fc2_dgrad_activation
+
+    clamp, offset = config.activation_func_clamp_value, config.glu_linear_offset
+    _, h = fc1_activation(x, w1, offs, probs, SILU, True, offset, clamp, save_h=True)
+    dh, dprobs = fc2_dgrad_activation(grad, w2, offs, probs, h, SILU, True, offset, clamp, True)
+    h64 = h.double().requires_grad_(True)
+    p64 = probs.double().requires_grad_(True)
+    gate, up = h64.chunk(2, dim=-1)
+    act = torch.nn.functional.silu(gate.clamp(max=clamp)) * (up.clamp(-clamp, clamp) + offset)
+    ends = offs.tolist()
+    grad_act = torch.cat([grad[e - n:e].double() @ w2[i].double()
+                          for i, (n, e) in enumerate(zip(splits, ends))])
+    (act * p64[:, None] * grad_act).sum().backward()
+    assert rel_err(dh, h64.grad) < 2e-2 and rel_err(dprobs, p64.grad) < 2e-2
+
+
+@pytest.mark.triton_interpreter
+def test_fused_experts_match_fp64_in_the_interpreter():
+    pytest.importorskip("triton", reason="triton is not installed: the fused kernels are untested")
+    if not hasattr(torch.nn.functional, "grouped_mm"):
+        pytest.skip("this torch has no CPU grouped_mm for fc2 and fc1's input gradient")
+    if torch.cuda.is_available():
+        pytest.skip("on a CUDA host the kernels run compiled, on the GPU (tests/test_gpu.py)")
+    from mcore_torch_experts.fused_experts_triton import covers, fused_experts
     from mcore_torch_experts.grouped_gemm import find_grouped_mm
-    from reference import fp64_experts, make_config, rel_err
 
     torch.manual_seed(0)
     E, H, F = 5, 40, 24  # K = 40 is not a multiple of the block: the masked K loop runs
@@ -39,27 +59,8 @@ CHECK = textwrap.dedent("""
              dict(activation="silu", glu=True, glu_linear_offset=1.0,
                   activation_func_clamp_value=0.5)]
     gmm = find_grouped_mm().fn
-
-    def check_clamp_backward(config, x, probs, w1, w2, offs, splits, grad):
-        # The interpreter truncates fc1's output to bf16, so which values pass the clamp's
-        # bound differs from a rounded reference: check the backward kernel against FP64
-        # autograd from the h the forward kernel saved.
-        clamp, offset = config.activation_func_clamp_value, config.glu_linear_offset
-        _, h = fc1_activation(x, w1, offs, probs, SILU, True, offset, clamp, save_h=True)
-        dh, dprobs = fc2_dgrad_activation(grad, w2, offs, probs, h, SILU, True, offset, clamp,
-                                          True)
-        h64 = h.double().requires_grad_(True)
-        p64 = probs.double().requires_grad_(True)
-        gate, up = h64.chunk(2, dim=-1)
-        act = torch.nn.functional.silu(gate.clamp(max=clamp)) * (up.clamp(-clamp, clamp) + offset)
-        ends = offs.tolist()
-        grad_act = torch.cat([grad[e - n:e].double() @ w2[i].double()
-                              for i, (n, e) in enumerate(zip(splits, ends))])
-        (act * p64[:, None] * grad_act).sum().backward()
-        assert rel_err(dh, h64.grad) < 2e-2 and rel_err(dprobs, p64.grad) < 2e-2
-
     for case in cases:
-        config = make_config(num_experts=E, hidden=H, ffn=F, **case)
+        config = _make_config(num_experts=E, hidden=H, ffn=F, **case)
         clamped = config.activation_func_clamp_value is not None
         assert covers(config)
         for splits in ([0, 37, 0, 130, 1], [0, 0, 0, 0, 0], [0, 0, 0, 0, 3]):
@@ -90,26 +91,9 @@ CHECK = textwrap.dedent("""
             if clamped:
                 check_clamp_backward(config, x.detach(), probs.detach(), w1, w2, offs, splits,
                                      grad)
-    assert not covers(make_config(activation="gelu", glu=False))
-    assert not covers(make_config(activation="silu", glu=False, moe_apply_probs_on_input=True,
-                                  moe_router_topk=1, moe_router_pre_softmax=True))
-    print("FUSED EXPERTS OK")
-""")
-
-
-def test_fused_experts_match_fp64_in_the_interpreter():
-    pytest.importorskip("triton", reason="triton is not installed: the fused kernels are untested")
-    if not hasattr(torch.nn.functional, "grouped_mm"):
-        pytest.skip("this torch has no CPU grouped_mm for fc2 and fc1's input gradient")
-    if torch.cuda.is_available():
-        pytest.skip("on a CUDA host the kernels run compiled, on the GPU (tests/test_gpu.py)")
-    tests = Path(__file__).parent
-    child = subprocess.run(
-        [sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=600,
-        cwd=tests, env={**os.environ, "TRITON_INTERPRET": "1",
-                        "PYTHONPATH": os.pathsep.join(
-                            [str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")])})
-    assert child.returncode == 0 and "FUSED EXPERTS OK" in child.stdout, child.stderr[-3000:]
+    assert not covers(_make_config(activation="gelu", glu=False))
+    assert not covers(_make_config(activation="silu", glu=False, moe_apply_probs_on_input=True,
+                                   moe_router_topk=1, moe_router_pre_softmax=True))
 
 
 def test_kernel_setting_is_checked():

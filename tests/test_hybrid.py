@@ -16,19 +16,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from mcore_torch_experts import TorchGroupedMLP, _compat, specs
 from mcore_torch_experts.lora import apply_lora, lora_parameters
 from mcore_torch_experts.recompute import install_frozen_input_guard
-from test_recompute import megatron_cpu_training  # noqa: F401  (fixture)
-from tiny_gpt import (NUM_EXPERTS, SEQ, VOCAB, assert_same_outputs, batch, sequential_to_grouped,
-                      tiny_config)
+from tiny_gpt import HYBRID_PATTERN as PATTERN
+from tiny_gpt import LORA_TARGETS as TARGETS
+from tiny_gpt import (NUM_EXPERTS, assert_same_outputs, batch, experts_modules, hybrid_model,
+                      needs_hybrid_recompute, sequential_to_grouped, tiny_config)
 
-PATTERN = "*E*E"  # attention, MoE, attention, MoE
-TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 LOGITS_TOL, GRAD_TOL = 1e-3, 1e-2  # as tests/test_specs.py: same weights, same math
-
-needs_hybrid_recompute = pytest.mark.skipif(
-    _compat.hybrid_model_class().__name__ != "HybridModel",
-    reason=f"HybridModel (HybridStack with full recompute) arrived in megatron-core 0.18 "
-           f"(installed {'.'.join(map(str, _compat.megatron_core_release()))})")
-
 
 @pytest.fixture
 def local_final_norm(monkeypatch):
@@ -98,18 +91,6 @@ def local_hybrid_stack_spec():
                                        mlp_bda=get_bias_dropout_add))
     return dataclasses.replace(megatron_spec, submodules=dataclasses.replace(
         megatron_spec.submodules, attention_layer=attention, moe_layer=moe))
-
-
-def hybrid_model(config, stack_spec, seed=0):
-    model_class = _compat.hybrid_model_class()
-    torch.manual_seed(seed)
-    return model_class(config=config, hybrid_stack_spec=stack_spec, vocab_size=VOCAB,
-                       max_sequence_length=SEQ, position_embedding_type="rope",
-                       **{_compat.hybrid_pattern_kwarg(model_class): PATTERN})
-
-
-def experts_modules(model):
-    return [type(m) for name, m in model.named_modules() if name.endswith("mlp.experts")]
 
 
 @needs_hybrid_recompute

@@ -23,7 +23,6 @@ from mcore_torch_experts.lora import (
 )
 from mcore_torch_experts.model import build_gpt_model
 from reference import make_config, rel_err
-from test_recompute import megatron_cpu_training  # noqa: F401  (fixture)
 
 IN, OUT, RANK, ALPHA, EXPERTS = 32, 48, 8, 16.0, 4
 TOL = {torch.bfloat16: 3e-2, torch.float32: 1e-5}
@@ -357,89 +356,16 @@ def test_a_second_call_keeps_the_first_calls_adapters_training(megatron_cpu_trai
     assert not starved
 
 
-TENSOR_PARALLEL_PROBE = r"""
-import json, datetime, torch, torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.transformer_config import TransformerConfig
-from mcore_torch_experts.lora import apply_lora
-
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # a hang fails
-parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-rank = parallel_state.get_tensor_model_parallel_rank()
-IN, HIDDEN, RANK, ALPHA = 16, 24, 4, 8.0
-config = TransformerConfig(num_layers=1, hidden_size=IN, num_attention_heads=2,
-                           tensor_model_parallel_size=2, use_cpu_initialization=True,
-                           add_bias_linear=False, params_dtype=torch.float64)
-
-
-class Attention(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        init = torch.nn.init.normal_
-        self.linear_qkv = ColumnParallelLinear(IN, HIDDEN, config=config, bias=False,
-                                               init_method=init, gather_output=False)
-        self.linear_proj = RowParallelLinear(HIDDEN, IN, config=config, bias=False,
-                                             init_method=init, input_is_parallel=True,
-                                             skip_bias_add=True)
-
-    def forward(self, x):
-        return self.linear_proj(torch.tanh(self.linear_qkv(x)[0]))[0]
-
-
-def gather(t, dim):
-    parts = [torch.empty_like(t) for _ in range(2)]
-    dist.all_gather(parts, t.contiguous())
-    return torch.cat(parts, dim)
-
-
-torch.manual_seed(0)
-model = Attention()
-apply_lora(model, ["linear_qkv", "linear_proj"], rank=RANK, alpha=ALPHA)
-qkv, proj = model.linear_qkv, model.linear_proj
-with torch.no_grad():  # B is zero at the start; the same random values on every rank, then sharded
-    full_b = torch.randn(HIDDEN, RANK, generator=torch.Generator().manual_seed(1),
-                         dtype=torch.float64)
-    qkv.adapter.linear_out.weight.copy_(full_b.chunk(2)[rank])
-    proj.adapter.linear_out.weight.normal_(generator=torch.Generator().manual_seed(2))
-x = torch.randn(3, IN, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-grad_out = torch.randn(3, IN, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-x.requires_grad_(True)
-out = model(x)
-out.backward(grad_out)
-
-# The same model unsharded, in plain torch: (weight, A, B) per linear.
-w_qkv, w_proj = gather(qkv.to_wrap.weight.detach(), 0), gather(proj.to_wrap.weight.detach(), 1)
-factors = [qkv.adapter.linear_in.weight, gather(qkv.adapter.linear_out.weight.detach(), 0),
-           gather(proj.adapter.linear_in.weight.detach(), 1), proj.adapter.linear_out.weight]
-x_ref, a_qkv, b_qkv, a_proj, b_proj = [t.detach().clone().requires_grad_(True)
-                                       for t in [x, *factors]]
-h = torch.tanh(x_ref @ w_qkv.T + x_ref @ a_qkv.T @ b_qkv.T * (ALPHA / RANK))
-out_ref = h @ w_proj.T + h @ a_proj.T @ b_proj.T * (ALPHA / RANK)
-out_ref.backward(grad_out)
-
-pairs = {"out": (out, out_ref), "x": (x.grad, x_ref.grad),
-         "A_qkv (replicated)": (qkv.adapter.linear_in.weight.grad, a_qkv.grad),
-         "B_qkv (sharded)": (gather(qkv.adapter.linear_out.weight.grad, 0), b_qkv.grad),
-         "A_proj (sharded)": (gather(proj.adapter.linear_in.weight.grad, 1), a_proj.grad),
-         "B_proj (replicated)": (proj.adapter.linear_out.weight.grad, b_proj.grad)}
-errors = [None, None]
-dist.all_gather_object(errors, {k: float((a - b).norm() / b.norm()) for k, (a, b) in pairs.items()})
-if rank == 0:
-    print(json.dumps(errors))
-"""
-
-
 @pytest.mark.distributed
-def test_tensor_parallel_layout_matches_the_unsharded_model(tmp_path):
+def test_tensor_parallel_layout_matches_the_unsharded_model():
     """TP=2 on two gloo processes: a column-parallel and a row-parallel base with adapters give
     the unsharded model's output and gradients, on both ranks (replicated factors included)."""
-    script = tmp_path / "tp_probe.py"
-    script.write_text(TENSOR_PARALLEL_PROBE)
+    root = Path(__file__).parents[1]
+    script = root / "tests" / "distributed" / "lora_tensor_parallel.py"
     child = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          str(script)],
-        cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=240,
+        cwd=root, capture_output=True, text=True, timeout=240,
         env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
              "PYTHONWARNINGS": "ignore"})
     assert child.returncode == 0, child.stderr[-4000:]

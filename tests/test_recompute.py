@@ -9,9 +9,6 @@ frozen embedding's output does not. Without the guard, "uniform" recompute train
 still frozen.
 """
 
-import contextlib
-import types
-
 import pytest
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -21,29 +18,10 @@ from mcore_torch_experts.lora import apply_lora, lora_parameters
 from mcore_torch_experts.model import build_gpt_model
 from mcore_torch_experts.recompute import install_frozen_input_guard
 from mcore_torch_experts.specs import get_gpt_decoder_block_spec
+from tiny_gpt import LORA_TARGETS as TARGETS
+from tiny_gpt import SEQ, VOCAB, fp32_moe_config, lm_batch
 
 NUM_LAYERS, RECOMPUTE_NUM_LAYERS = 4, 2  # block: layers 0-1 checkpointed, 2-3 plain
-VOCAB, SEQ, BATCH = 128, 16, 2
-TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
-
-
-@pytest.fixture
-def megatron_cpu_training(megatron_cpu, monkeypatch):
-    """megatron_cpu, plus what selective "layernorm" recompute needs without Transformer
-    Engine: CheckpointWithoutOutput asks TE whether FP8 is on even when TE is absent; here it
-    answers what TE says without FP8. Test setup only; the code under test is not patched. On a
-    CUDA host too these FP32 models stay on the CPU (megatron_cpu); tests/test_te_lora.py trains
-    adapters under recompute on the GPU with Transformer Engine."""
-    from megatron.core.tensor_parallel import random
-
-    if not hasattr(random, "FP8GlobalStateManager"):
-        monkeypatch.setattr(random, "FP8GlobalStateManager", types.SimpleNamespace(
-            is_fp8_enabled=lambda: False, get_fp8_recipe=lambda: None), raising=False)
-        monkeypatch.setattr(random, "activation_recompute_forward",
-                            lambda *args, **kwargs: contextlib.nullcontext(), raising=False)
-        monkeypatch.setattr(random, "fp8_autocast",
-                            lambda *args, **kwargs: contextlib.nullcontext(), raising=False)
-    return megatron_cpu
 
 
 MLP_TARGETS = ["linear_fc1", "linear_fc2"]  # dense MLP, routed and shared experts: no attention
@@ -66,14 +44,8 @@ RECOMPUTE = {
 
 def make_config(recompute="none") -> TorchExpertsTransformerConfig:
     """Layer 0 dense, layers 1-3 MoE with a shared expert; FP32 on the CPU."""
-    return TorchExpertsTransformerConfig(
-        num_layers=NUM_LAYERS, hidden_size=64, num_attention_heads=4, num_moe_experts=4,
-        moe_layer_freq=[0, 1, 1, 1], moe_ffn_hidden_size=64, ffn_hidden_size=64,
-        moe_shared_expert_intermediate_size=64, moe_router_topk=2, moe_grouped_gemm=True,
-        moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
-        use_cpu_initialization=True, moe_expert_gemm_backend="torch", **RECOMPUTE[recompute])
+    return fp32_moe_config(moe_layer_freq=[0, 1, 1, 1], moe_shared_expert_intermediate_size=64,
+                           **RECOMPUTE[recompute])
 
 
 def build(recompute="none", guard=True, lora=True, expert_adapter="shared", targets=TARGETS):
@@ -98,17 +70,9 @@ def build(recompute="none", guard=True, lora=True, expert_adapter="shared", targ
     return model
 
 
-def batch(decoder_input=None):
-    generator = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
-    return dict(input_ids=tokens, position_ids=torch.arange(SEQ).expand(BATCH, SEQ),
-                attention_mask=torch.ones(1, 1, SEQ, SEQ).triu(1).bool(),
-                labels=torch.roll(tokens, -1, dims=1), decoder_input=decoder_input)
-
-
 def adapter_grads(model):
     """{adapter key: gradient or None} after one forward and backward of the LM loss."""
-    loss = model(**batch()).mean()
+    loss = model(**lm_batch()).mean()
     if loss.requires_grad:
         loss.backward()
     return {name: p.grad for name, p in lora_parameters(model).items()}
@@ -159,7 +123,7 @@ def test_without_guard_selective_recompute_starves_adapters(megatron_cpu_trainin
 
 def test_without_guard_uniform_recompute_trains_nothing(megatron_cpu_training):
     model = build("full-uniform", guard=False)
-    loss = model(**batch()).mean()
+    loss = model(**lm_batch()).mean()
     assert not loss.requires_grad  # every checkpointed chunk is detached from the adapters
 
 
@@ -180,12 +144,12 @@ def test_install_is_idempotent_and_counts_blocks(megatron_cpu_training):
 
 def test_guard_leaves_a_model_with_nothing_trainable_alone(megatron_cpu_training):
     model = build("full-uniform", lora=False)
-    assert not model(**batch()).requires_grad
+    assert not model(**lm_batch()).requires_grad
 
 
 def test_guard_keeps_an_input_that_already_requires_grad(megatron_cpu_training):
     model = build("full-uniform")
-    decoder_input = model.embedding(batch()["input_ids"], batch()["position_ids"])
+    decoder_input = model.embedding(lm_batch()["input_ids"], lm_batch()["position_ids"])
     decoder_input = decoder_input.detach().requires_grad_(True)
-    model(**batch(decoder_input)).mean().backward()
+    model(**lm_batch(decoder_input)).mean().backward()
     assert decoder_input.grad is not None and decoder_input.grad.abs().sum() > 0

@@ -12,8 +12,10 @@ from mcore_torch_experts.lora import apply_lora, lora_parameters
 from mcore_torch_experts.recompute import install_frozen_input_guard
 from reference import rel_err
 from te_support import needs_te, te_config
-from test_hybrid import PATTERN, TARGETS, experts_modules, hybrid_model, needs_hybrid_recompute
-from tiny_gpt import assert_same_outputs, batch
+from tiny_gpt import HYBRID_PATTERN as PATTERN
+from tiny_gpt import LORA_TARGETS as TARGETS
+from tiny_gpt import (assert_same_outputs, batch, experts_modules, hybrid_model,
+                      needs_hybrid_recompute)
 
 pytestmark = [*needs_te, needs_hybrid_recompute]
 LOGITS_TOL, GRAD_TOL = 1e-2, 5e-2  # BF16: TE's per-expert GEMMs against torch's grouped GEMM

@@ -1,18 +1,27 @@
-"""A tiny GPT-MoE on the CPU: config, batch, forward/backward, and the expert-key map between
-SequentialMLP and TorchGroupedMLP/TEGroupedMLP models."""
+"""The tests' model presets: a tiny BF16 GPT-MoE (config, batch, forward/backward, the expert-key
+map between SequentialMLP and TorchGroupedMLP/TEGroupedMLP models), a HybridModel of its layers,
+and a 4-layer FP32 GPT-MoE for adapter training on the CPU (config, LM batch)."""
 
 import re
 
+import pytest
 import torch
 from megatron.core.models.gpt import GPTModel
 
-from mcore_torch_experts import TorchExpertsTransformerConfig
+from mcore_torch_experts import TorchExpertsTransformerConfig, _compat
 from reference import rel_err
 
 VOCAB, SEQ, BATCH = 128, 16, 2
 MOE_LAYER_FREQ = [0, 1, 1]  # layer 0 dense, layers 1 and 2 MoE
 MOE_LAYERS = [1, 2]
 NUM_EXPERTS, HIDDEN, MOE_FFN = 4, 64, 32
+HYBRID_PATTERN = "*E*E"  # attention, MoE, attention, MoE
+LORA_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+
+needs_hybrid_recompute = pytest.mark.skipif(
+    _compat.hybrid_model_class().__name__ != "HybridModel",
+    reason=f"HybridModel (HybridStack with full recompute) arrived in megatron-core 0.18 "
+           f"(installed {'.'.join(map(str, _compat.megatron_core_release()))})")
 
 
 def tiny_config(**overrides) -> TorchExpertsTransformerConfig:
@@ -30,10 +39,48 @@ def tiny_config(**overrides) -> TorchExpertsTransformerConfig:
     return TorchExpertsTransformerConfig(**fields)
 
 
+def fp32_moe_config(**overrides) -> TorchExpertsTransformerConfig:
+    """4 layers, every one MoE (4 SwiGLU experts of width 64, top-2), hidden 64, FP32 on the CPU,
+    TorchGroupedMLP experts (`moe_expert_gemm_backend="torch"`); `overrides` replace fields."""
+    fields = dict(
+        num_layers=4, hidden_size=64, num_attention_heads=4, num_moe_experts=4,
+        moe_ffn_hidden_size=64, ffn_hidden_size=64, moe_router_topk=2, moe_grouped_gemm=True,
+        moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
+        use_cpu_initialization=True, moe_expert_gemm_backend="torch",
+    )
+    fields.update(overrides)
+    return TorchExpertsTransformerConfig(**fields)
+
+
+def lm_batch(decoder_input=None) -> dict:
+    """GPTModel keyword arguments: [BATCH, SEQ] tokens, positions, causal mask, next-token labels."""
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    return dict(input_ids=tokens, position_ids=torch.arange(SEQ).expand(BATCH, SEQ),
+                attention_mask=torch.ones(1, 1, SEQ, SEQ).triu(1).bool(),
+                labels=torch.roll(tokens, -1, dims=1), decoder_input=decoder_input)
+
+
 def gpt(config, spec, seed=0) -> GPTModel:
     torch.manual_seed(seed)
     return GPTModel(config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
                     position_embedding_type="rope")
+
+
+def hybrid_model(config, stack_spec, seed=0):
+    """A HybridModel (MambaModel before 0.18) of HYBRID_PATTERN's layers from `stack_spec`."""
+    model_class = _compat.hybrid_model_class()
+    torch.manual_seed(seed)
+    return model_class(config=config, hybrid_stack_spec=stack_spec, vocab_size=VOCAB,
+                       max_sequence_length=SEQ, position_embedding_type="rope",
+                       **{_compat.hybrid_pattern_kwarg(model_class): HYBRID_PATTERN})
+
+
+def experts_modules(model) -> list:
+    """The class of every experts module of `model`, in order."""
+    return [type(m) for name, m in model.named_modules() if name.endswith("mlp.experts")]
 
 
 def freeze_experts(model) -> None:

@@ -9,11 +9,16 @@ the package's code.
 import argparse
 import json
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
+from cpu_support import apply, megatron_patches  # noqa: E402
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=150)  # a stuck collective raises before the launcher's kill
 
@@ -29,43 +34,16 @@ def base_parser(description: str) -> argparse.ArgumentParser:
 # --- processes ---------------------------------------------------------------------------------
 
 
-def patch_megatron_without_te() -> None:
-    """megatron-core 0.16.1's `moe_utils` refers to `te_general_gemm` even when Transformer Engine
-    is absent (a NameError in the router's forward, on GPUs too): without TE it is None. Test-only,
-    as in tests/conftest.py; the package under test is not patched."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
-def patch_megatron_for_cpu() -> None:
-    """Test-only adjustments so megatron-core 0.16 runs an MoE layer on a CPU-only host (as in
-    tests/conftest.py `_patch_megatron_for_cpu`); the package under test is not patched.
-
-    - the router and Megatron's communication buffers allocate on `torch.cuda.current_device()`,
-      which fails without CUDA: it answers "cpu";
-    - dist_checkpointing's filesystem writer calls `torch.cuda.synchronize()`: nothing to wait for;
-    - with Transformer Engine importable, the router's gating GEMM calls TE's GEMM, which takes
-      CUDA tensors only: it is None, the router's torch.mm path (as in tests/conftest.py).
-    """
-    from megatron.core.transformer.moe import moe_utils
-
-    moe_utils.te_general_gemm = None
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda *args, **kwargs: None
-
-
 def init_processes(device: str) -> torch.device:
-    """Join the torchrun world: gloo on the CPU, NCCL with one GPU per local rank on CUDA."""
-    patch_megatron_without_te()
+    """Join the torchrun world: gloo on the CPU, NCCL with one GPU per local rank on CUDA; the
+    patches of examples/cpu_support.megatron_patches for this device applied."""
+    apply(megatron_patches(on_cpu=device == "cpu"))
     if device == "cuda":
         local_rank = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local_rank)
         # no device_id: NCCL communicators are made lazily, not for each of Megatron's groups
         torch.distributed.init_process_group("nccl", timeout=COLLECTIVE_TIMEOUT)
         return torch.device("cuda", local_rank)
-    patch_megatron_for_cpu()
     torch.distributed.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
     return torch.device("cpu")
 
@@ -140,13 +118,10 @@ def moe_config(backend: str, sizes: Sizes, device: str, *, tp=1, ep=1, etp=1, sp
 
 def moe_layer(config, pg, device):
     """The MoE layer of the package's reference GPT layer spec (experts follow the flag)."""
-    from mcore_torch_experts import _compat
-    from mcore_torch_experts.specs import get_gpt_layer_local_spec
+    from mcore_torch_experts import build_moe_layer
 
     torch.manual_seed(0)
-    layer = _compat.build_moe_layer(get_gpt_layer_local_spec(config).submodules.mlp, config,
-                                    pg_collection=pg)
-    return layer.to(device)
+    return build_moe_layer(config, pg_collection=pg).to(device)
 
 
 # --- global weights and their shards -----------------------------------------------------------
