@@ -72,6 +72,11 @@ def _validated_targets(root: torch.nn.Module) -> List[str]:
     names = []
     for name, module in root.named_modules():
         if isinstance(module, classes):
+            if not name:
+                raise TypeError(
+                    f"convert_experts_to_torch: the {type(module).__name__} passed in is itself "
+                    "the experts module, and a module cannot replace itself in its parent. Pass "
+                    "the module that holds it (its MoE layer, or the model). It is unchanged.")
             _refuse_wrapped_linears(module, name)
             validate_torch_experts_config(_build_config(module),
                                           get_pg_size(module.ep_group),

@@ -109,7 +109,7 @@ class PerExpertLoRAAdapter(torch.nn.Module):
         offs = group_offsets(tokens_per_expert, self.num_experts, x.shape[0], x.device)
         a = self.linear_in.weight.to(x.dtype).transpose(1, 2)  # [E, in, r]
         b = self.linear_out.weight.to(x.dtype).transpose(1, 2)  # [E, r, out]
-        h = self._grouped_mm(self.dropout(x), a, offs=offs)
+        h = self._grouped_mm(self.dropout(x).contiguous(), a, offs=offs)  # 16-byte strides
         return self._grouped_mm(h, b, offs=offs) * self.scale
 
 

@@ -121,6 +121,16 @@ def test_adapters_outside_the_experts_survive_conversion(megatron_cpu):
     assert rel_err(forward_backward(model)[0], logits) < 1e-3
 
 
+def test_an_experts_module_passed_itself_is_refused_untouched(megatron_cpu):
+    model = sequential_mlp_model()
+    experts = model.get_submodule(EXPERTS[0])
+    weights = {k: v.clone() for k, v in experts.state_dict().items() if torch.is_tensor(v)}
+    with pytest.raises(TypeError, match="SequentialMLP passed in is itself the experts module"):
+        convert_experts_to_torch(experts)
+    assert type(model.get_submodule(EXPERTS[0])).__name__ == "SequentialMLP"
+    assert all(torch.equal(experts.state_dict()[k], v) for k, v in weights.items())
+
+
 def test_model_chunks_and_a_second_conversion(megatron_cpu):
     model = sequential_mlp_model()
     summary = convert_experts_to_torch([model])  # Megatron-LM and Bridge hand over chunk lists

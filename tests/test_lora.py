@@ -84,6 +84,20 @@ def test_per_expert_adapter_matches_fp64_loop(dtype, splits_name):
 
 
 @DTYPES
+def test_per_expert_adapter_takes_a_column_major_input(dtype):
+    """x [T, in] laid out column-major (x.t().contiguous().t()): the row-major result, exactly."""
+    torch.manual_seed(0)
+    splits = torch.tensor(SPLITS["zero_experts"])
+    adapter = with_random_b(PerExpertLoRAAdapter(EXPERTS, IN, OUT, RANK, ALPHA, 0.0, dtype, "cpu"))
+    x = torch.randn(int(splits.sum()), IN).to(dtype)
+    expected = run(adapter, x, splits)
+    adapter.zero_grad()
+    got = run(adapter, x.t().contiguous().t(), splits)
+    for actual, reference in zip(got, expected):
+        assert torch.equal(actual, reference)
+
+
+@DTYPES
 def test_shared_adapter_matches_fp64_and_ignores_the_splits(dtype):
     torch.manual_seed(0)
     adapter = with_random_b(LoRAAdapter(IN, OUT, RANK, ALPHA, 0.0, dtype, "cpu"))
