@@ -59,6 +59,23 @@ def _gloo_world():
     parallel_state.destroy_model_parallel()
 
 
+ATTENTION_BACKEND_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+@pytest.fixture(autouse=True)
+def _attention_backend_env():
+    """Each test starts from the attention-backend environment the run was given: building a
+    Megatron language model writes NVTE_*_ATTN into the process environment for its
+    `attention_backend` and asserts them at the next build, which may ask for another backend."""
+    given = {name: os.environ.get(name) for name in ATTENTION_BACKEND_ENV}
+    yield
+    for name, value in given.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture
 def megatron_world(_gloo_world, monkeypatch):
     """A one-process Megatron parallel state (all sizes 1) for tests whose tensors live on the

@@ -151,18 +151,13 @@ def _has_megatron_lm_gpt_builder() -> bool:
     return training is not None and (Path(training.origin).parent / "models" / "gpt.py").exists()
 
 
-CPU_WORKERS = ("the launcher workers run their tiny models on the CPU (gloo); a CUDA host starts "
-               "NCCL and Megatron's router places tensors on the GPU")
-
-
 @pytest.fixture(scope="module")
 def megatron_lm(tmp_path_factory):
-    if torch.cuda.is_available():
-        pytest.skip(CPU_WORKERS)
     if not _has_megatron_lm_gpt_builder():
         pytest.skip("megatron.training has no GPTModelBuilder (it ships with megatron-core 0.19)")
+    # The worker runs its tiny models on the CPU (gloo), on a CUDA host too.
     return run_worker(Path(__file__).with_name("megatron_lm_worker.py"),
-                      tmp_path_factory.mktemp("megatron_lm"))
+                      tmp_path_factory.mktemp("megatron_lm"), hide_gpus=True)
 
 
 def test_megatron_lm_spec_flag_builds_torch_experts_from_parsed_arguments(megatron_lm):
@@ -187,14 +182,12 @@ def test_megatron_lm_refusals_run_on_the_transformer_config(megatron_lm):
 
 @pytest.fixture(scope="module")
 def bridge_run(tmp_path_factory):
-    if torch.cuda.is_available():
-        pytest.skip(CPU_WORKERS)
     if importlib.util.find_spec("megatron.bridge") is None or \
             importlib.util.find_spec("transformers") is None:
         pytest.skip("needs megatron-bridge and transformers (the Python 3.12 / megatron-core "
                     "0.19 leg)")
     return run_worker(Path(__file__).with_name("bridge_launcher_worker.py"),
-                      tmp_path_factory.mktemp("bridge_launcher"))
+                      tmp_path_factory.mktemp("bridge_launcher"), hide_gpus=True)
 
 
 def test_bridge_autobridge_provider_naming_the_spec_builds_torch_experts(bridge_run):

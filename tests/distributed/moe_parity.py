@@ -26,7 +26,7 @@ CASES = {"swiglu": Sizes(glu=True), "squared_relu": Sizes(glu=False)}
 # on the CPU with the same eager ops (near bit-equal); on CUDA TorchGroupedMLP's fused activation
 # rounds once where Megatron's ops round per op (about 6e-3 measured on H200).
 TOLERANCE = {"reference": 2e-2, "sequential": {"cpu": 1e-3, "cuda": 2e-2}}
-CPU_ONLY_REASON = ("megatron-core 0.16's alltoall dispatcher needs CUDA streams "
+CPU_ONLY_REASON = ("Megatron's alltoall dispatcher needs CUDA streams "
                    "(MoEAlltoAllTokenDispatcher creates torch.cuda.Stream()); "
                    "scripts/gpu_distributed.sh runs it on GPUs")
 
