@@ -1,11 +1,15 @@
 """The benchmarks' CPU smoke runs complete and report; no timing assertions."""
 
+import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,3 +77,36 @@ def test_bench_cycle_smoke(tmp_path):
     if te_stack:  # the hybrid slice (latent MoE, shared expert) runs on the TE stack only
         hybrid = {row["arm"]: row for row in report["slices"][1]["rows"]}
         assert all("note" not in row and row["logprob_diff"] < 1e-2 for row in hybrid.values())
+
+
+def test_cycle_memory_replay_finds_what_is_alive_at_the_peak():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import cycle_memory
+
+    ours = [{"filename": "/env/site-packages/torch/nn/modules/module.py", "line": 1, "name": "x"},
+            {"filename": "/env/site-packages/mcore_torch_experts/experts.py", "line": 260,
+             "name": "forward"}]
+    trace = [{"action": "alloc", "addr": 1, "size": 100, "frames": ours},
+             {"action": "alloc", "addr": 2, "size": 50, "frames": []},
+             {"action": "free_requested", "addr": 1, "size": 100},
+             {"action": "free_completed", "addr": 1, "size": 100},
+             {"action": "alloc", "addr": 3, "size": 30, "frames": ours},
+             {"action": "alloc", "addr": 1, "size": 200, "frames": ours},  # the address reused
+             {"action": "free_completed", "addr": 1, "size": 200},
+             {"action": "free_completed", "addr": 9, "size": 70}]  # allocated before the start
+    peak, live = cycle_memory.live_at_peak(trace)
+    assert peak == 280
+    assert live == {"mcore_torch_experts/experts.py:260 (forward)": [230, 2],
+                    "autograd engine / C++ (no Python frame), 0 MiB blocks": [50, 1]}
+
+
+def test_cycle_memory_runs_on_a_tiny_slice(tmp_path):
+    if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
+        pytest.skip("cycle_memory.py records the CUDA allocator; its default arms include "
+                    "TEGroupedMLP (Transformer Engine)")
+    stdout = run_benchmark("cycle_memory.py", "--slice", "tiny:1", "--seq", "32",
+                           "--micro-batch-size", "2", "--out-dir", str(tmp_path))
+    report = json.loads((tmp_path / "memory.json").read_text())
+    assert set(report) == {"header", "te", "torch"}, report
+    assert "Alive at the peak, by allocating site:" in stdout
+    assert all(arm["trace_peak_gib"] > 0 for name, arm in report.items() if name != "header")
