@@ -4,8 +4,9 @@ The eager form, `(act(fc1_out) * probs[:, None]).to(bf16)`, runs several memory-
 (relu and pow, or silu, offset add and mul; a multiply by FP32 probs that writes an FP32 [T, F]
 tensor; a cast back) and autograd keeps up to 4F values per row. `FusedActivationProbs` reads
 fc1_out once and writes the bf16 result once; backward reads the gradient and fc1_out and writes
-d fc1_out once; it saves only fc1_out and probs. The math is FP32, rounded once (the eager form
-rounds act(x) to bf16 before the FP32 multiply: the two differ by at most one bf16 ulp).
+d fc1_out once, with d probs (where the router trains) from FP32 row sums in the same pass; it
+saves only fc1_out and probs. The math is FP32, rounded once (the eager form rounds act(x) to bf16
+before the FP32 multiply: the two differ by at most one bf16 ulp).
 
 Covers squared ReLU and SiLU, gated or not, with glu_linear_offset (`covers(config)`); CUDA
 tensors only (CPU tensors need TRITON_INTERPRET=1 set before triton is first imported).
@@ -66,13 +67,14 @@ def _forward_kernel(h_ptr, p_ptr, out_ptr, rows, width, h_stride, out_stride, of
 
 
 @triton.jit
-def _backward_kernel(g_ptr, h_ptr, p_ptr, dh_ptr, rows, width, g_stride, h_stride, offset,
-                     ACT: tl.constexpr, GLU: tl.constexpr, BLOCK_R: tl.constexpr,
-                     BLOCK_C: tl.constexpr):
+def _backward_kernel(g_ptr, h_ptr, p_ptr, dh_ptr, dp_ptr, rows, width, g_stride, h_stride,
+                     dp_stride, offset, ACT: tl.constexpr, GLU: tl.constexpr,
+                     PROBS_GRAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     r, c, row_ok, mask = _tile(rows, width, BLOCK_R, BLOCK_C)
     p = tl.load(p_ptr + r, mask=row_ok, other=0.0).to(tl.float32)
     g_row = g_ptr + r.to(tl.int64)[:, None] * g_stride
-    g = tl.load(g_row + c[None, :], mask=mask, other=0.0).to(tl.float32) * p[:, None]
+    g_unscaled = tl.load(g_row + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = g_unscaled * p[:, None]
     h_row = h_ptr + r.to(tl.int64)[:, None] * h_stride
     dh_row = dh_ptr + r.to(tl.int64)[:, None] * h_stride
     a, slope = _act_and_slope(tl.load(h_row + c[None, :], mask=mask, other=0.0).to(tl.float32), ACT)
@@ -80,8 +82,13 @@ def _backward_kernel(g_ptr, h_ptr, p_ptr, dh_ptr, rows, width, g_stride, h_strid
         up = tl.load(h_row + width + c[None, :], mask=mask, other=0.0).to(tl.float32) + offset
         tl.store(dh_row + c[None, :], (g * up * slope).to(dh_ptr.dtype.element_ty), mask=mask)
         tl.store(dh_row + width + c[None, :], (g * a).to(dh_ptr.dtype.element_ty), mask=mask)
+        unscaled = a * up
     else:
         tl.store(dh_row + c[None, :], (g * slope).to(dh_ptr.dtype.element_ty), mask=mask)
+        unscaled = a
+    if PROBS_GRAD:  # this column tile's share of d probs = sum(grad * act(h)), FP32
+        share = tl.sum(tl.where(mask, g_unscaled * unscaled, 0.0), axis=1)
+        tl.store(dp_ptr + r.to(tl.int64) * dp_stride + tl.program_id(1), share, mask=row_ok)
 
 
 def _grid(rows, width):
@@ -113,14 +120,19 @@ class FusedActivationProbs(torch.autograd.Function):
         h, probs = ctx.saved_tensors
         grad = grad.contiguous()
         dh = torch.empty_like(h)
+        grid = _grid(h.shape[0], grad.shape[1])
+        # A trainable router: d probs from per-column-tile FP32 row sums [T, tiles], summed in a
+        # fixed order (deterministic; no [T, F] temporary).
+        shares = (probs.new_empty(h.shape[0], grid[1], dtype=torch.float32)
+                  if ctx.needs_input_grad[1] else None)
         if h.shape[0]:
-            _backward_kernel[_grid(h.shape[0], grad.shape[1])](
-                grad, h, probs, dh, h.shape[0], grad.shape[1], grad.stride(0), h.stride(0),
-                ctx.offset, ACT=ctx.act, GLU=ctx.glu, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS)
-        dprobs = None
-        if ctx.needs_input_grad[1]:  # trainable router: d probs = sum(grad * act(h)) in FP32
-            unscaled = _forward(h, torch.ones_like(probs), ctx.act, ctx.glu, ctx.offset)
-            dprobs = (grad.float() * unscaled.float()).sum(-1).to(probs.dtype)
+            _backward_kernel[grid](
+                grad, h, probs, dh, shares if shares is not None else probs, h.shape[0],
+                grad.shape[1], grad.stride(0), h.stride(0),
+                shares.stride(0) if shares is not None else 0, ctx.offset, ACT=ctx.act,
+                GLU=ctx.glu, PROBS_GRAD=shares is not None, BLOCK_R=BLOCK_ROWS,
+                BLOCK_C=BLOCK_COLS)
+        dprobs = shares.sum(-1).to(probs.dtype) if shares is not None else None
         return dh, dprobs, None, None, None
 
 

@@ -25,7 +25,10 @@ def test_fused_activation_matches_fp64_in_the_interpreter():
     torch.manual_seed(0)
     cases = [dict(activation="squared_relu", glu=False), dict(activation="silu", glu=True),
              dict(activation="silu", glu=True, glu_linear_offset=1.0),
-             dict(activation="silu", glu=False)]
+             dict(activation="silu", glu=False),
+             # wider than one column tile (BLOCK_COLS = 256): d probs sums several tiles' shares
+             dict(activation="squared_relu", glu=False, ffn=600),
+             dict(activation="silu", glu=True, ffn=300)]
     for case in cases:
         config = make_config(**case)
         assert covers(config)
@@ -36,6 +39,10 @@ def test_fused_activation_matches_fp64_in_the_interpreter():
             out = fused_activation_probs(config, h, probs)
             grad = torch.randn(out.shape).bfloat16()
             out.backward(grad)
+            frozen_probs = probs.detach()  # a frozen router: d fc1_out alone, the same values
+            h_alone = h.detach().clone().requires_grad_(True)
+            fused_activation_probs(config, h_alone, frozen_probs).backward(grad)
+            assert torch.equal(h_alone.grad, h.grad) and frozen_probs.grad is None
             h64 = h.detach().double().requires_grad_(True)
             p64 = probs.detach().double().requires_grad_(True)
             ref = fp64(config, h64, p64)

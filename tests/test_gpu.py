@@ -132,6 +132,29 @@ def test_fused_activation_matches_eager_on_cuda(megatron_world, case):
     assert rel_err(fused_out, eager_out) < 1e-2 and rel_err(fused_grad, eager_grad) < 1e-2
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_activation_backward_adds_only_the_gradients_with_a_trainable_router(case):
+    """Backward with trainable probs allocates d fc1_out, d probs and [T, column tiles] FP32 row
+    sums: no [T, F] temporary (an FP32 one is 2x d fc1_out)."""
+    from mcore_torch_experts.activation_triton import BLOCK_COLS, fused_activation_probs
+
+    config = make_config(ffn=2048, **CASES[case])
+    rows, width = 65536, 2048 * (2 if config.gated_linear_unit else 1)
+    h = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    probs = torch.rand(rows, device="cuda", requires_grad=True)
+    out = fused_activation_probs(config, h, probs)
+    grad = torch.randn_like(out)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    out.backward(grad)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - start
+    tiles = -(-out.shape[1] // BLOCK_COLS)
+    assert extra <= h.numel() * 2 + rows * (tiles + 1) * 4 + 2**20, extra / h.numel()
+    assert h.grad is not None and probs.grad is not None
+
+
 # The clamp bound is a bf16 value: the grouped_mm path compares bf16 values with the bound
 # rounded to bf16, the fused kernels (and the FP64 loop) with the bound itself.
 FUSED_CASES = {
