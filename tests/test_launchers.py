@@ -272,7 +272,7 @@ def test_bridge_mtp_layers_inherit_the_named_spec(megatron_cpu):
     assert _compat.spec_class(_compat.moe_submodules(mlp).experts) is TorchGroupedMLP
 
 
-def test_bridge_hybrid_provider_trains_bridge_lora_on_cuda(megatron_cpu):
+def test_bridge_hybrid_provider_trains_bridge_lora_on_cuda(megatron_cpu, monkeypatch):
     """A Bridge HybridModelProvider (attention and MoE layers) naming the hybrid entry point
     builds TorchGroupedMLP experts with Megatron's TE hybrid stack and trains Bridge's LoRA on
     them (BF16 on CUDA; Megatron's hybrid stack spec needs Transformer Engine)."""
@@ -284,6 +284,9 @@ def test_bridge_hybrid_provider_trains_bridge_lora_on_cuda(megatron_cpu):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     model_parallel_cuda_manual_seed(0)
+    # The provider's default attention backend (flash) asserts these are unset or match it.
+    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        monkeypatch.delenv(name, raising=False)
     provider = HybridModelProvider(
         num_layers=2, hybrid_layer_pattern="*E", hidden_size=256, num_attention_heads=4,
         ffn_hidden_size=512, num_moe_experts=8, moe_ffn_hidden_size=256, moe_router_topk=2,
