@@ -291,7 +291,8 @@ def test_bridge_hybrid_provider_trains_bridge_lora_on_cuda(megatron_cpu, monkeyp
         num_layers=2, hybrid_layer_pattern="*E", hidden_size=256, num_attention_heads=4,
         ffn_hidden_size=512, num_moe_experts=8, moe_ffn_hidden_size=256, moe_router_topk=2,
         moe_grouped_gemm=True, moe_aux_loss_coeff=0.0, vocab_size=128, seq_length=64,
-        hybrid_stack_spec=specs.torch_experts_hybrid_stack_spec)
+        hybrid_stack_spec=specs.torch_experts_hybrid_stack_spec,
+        gradient_accumulation_fusion=False)  # Bridge's default needs APEX's CUDA extension
     provider.finalize()
     model, = provider.provide_distributed_model(wrap_with_ddp=False,
                                                 mixed_precision_wrapper=None)
