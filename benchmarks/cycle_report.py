@@ -9,6 +9,9 @@ from harness import fmt, markdown_table, ratio, write_report
 
 REFERENCES = ("te", "te-cutlass", "sequential")  # the speed-up columns, when the arm ran
 TARGETS = {"te": 1.47, "te-cutlass": 1.2}  # issue 19: TorchGroupedMLP's throughput over these
+# "No higher" peak memory, to the allocator's noise between arms of the same model (the logprob
+# peaks of identical passes differ by up to a few hundred KiB).
+PEAK_TOLERANCE_GIB = 16 / 1024
 
 
 def _range(value: dict, spec=".0f") -> str:
@@ -59,12 +62,14 @@ def target_lines(rows) -> list:
             speedup = other["cycle_ms"]["median"] / ours["cycle_ms"]["median"]
             peaks = [(ours.get(f"{p}_peak_gib"), other.get(f"{p}_peak_gib"))
                      for p in ("logprob", "update")]
-            lower = all(a is not None and b is not None and a <= b for a, b in peaks)
+            lower = all(a is not None and b is not None and a <= b + PEAK_TOLERANCE_GIB
+                        for a, b in peaks)
             lines.append(
                 f"- {layout} adapters: cycle throughput {speedup:.2f}x {cm.ARMS[reference]} "
                 f"(target >= {goal}: {'met' if speedup >= goal else 'MISSED'}); peak GiB "
                 f"logprob {fmt(peaks[0][0], '.1f')} vs {fmt(peaks[0][1], '.1f')}, update "
-                f"{fmt(peaks[1][0], '.1f')} vs {fmt(peaks[1][1], '.1f')} (no higher: "
+                f"{fmt(peaks[1][0], '.1f')} vs {fmt(peaks[1][1], '.1f')} (no higher, to "
+                f"{PEAK_TOLERANCE_GIB * 1024:.0f} MiB: "
                 f"{'met' if lower else 'MISSED'})")
     return lines
 
