@@ -272,10 +272,11 @@ def test_bridge_mtp_layers_inherit_the_named_spec(megatron_cpu):
     assert _compat.spec_class(_compat.moe_submodules(mlp).experts) is TorchGroupedMLP
 
 
-def test_bridge_hybrid_provider_trains_bridge_lora_on_cuda(megatron_cpu, monkeypatch):
+def test_bridge_hybrid_provider_trains_bridge_lora_on_cuda(megatron_world, monkeypatch):
     """A Bridge HybridModelProvider (attention and MoE layers) naming the hybrid entry point
     builds TorchGroupedMLP experts with Megatron's TE hybrid stack and trains Bridge's LoRA on
-    them (BF16 on CUDA; Megatron's hybrid stack spec needs Transformer Engine)."""
+    them (BF16 on CUDA, where Bridge puts the model: megatron_world, no CPU patches there;
+    Megatron's hybrid stack spec needs Transformer Engine)."""
     if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
         pytest.skip("needs CUDA and Transformer Engine (Megatron's hybrid stack spec)")
     import_bridge_peft()
