@@ -32,6 +32,8 @@ from mcore_torch_experts.automodel import (  # noqa: E402
     remove_combine,
 )
 
+from doc_snippets import DOCS, run_snippet  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS, HIDDEN, FFN, EXPERTS, TOP_K = 40, 64, 24, 8, 3
 PADDING_TOKEN = 3  # token_mask False: routed nowhere
@@ -265,6 +267,13 @@ def test_scoped_to_the_modules_given_idempotent_and_undone():
     assert remove_combine(layer) == []
     assert "_forward_grouped_mm" not in vars(layer.experts)
     assert_bitwise(shipped, layer_step())
+
+
+def test_docs_snippet_installs_and_removes():
+    layer = fill(MoE(moe_config(), backend()))
+    namespace = run_snippet("install", doc=DOCS / "automodel.md", model=layer)
+    assert namespace["names"] == ["experts"]
+    assert "_forward_grouped_mm" not in vars(layer.experts)
 
 
 class _OwnForward(GroupedExperts):
