@@ -204,7 +204,7 @@ def measure(bench, installs, meter, repeats, mode):
             run(name, f"repeat {repeat + 1}")
     shipped = rows[next(iter(installs))]
     for row in rows.values():
-        for key in ("fwd+bwd ms", "fwd+bwd peak"):
+        for key in ("fwd ms", "fwd+bwd ms", "fwd peak", "fwd+bwd peak"):
             row[f"{key} / shipped"] = ratio(number(row.get(key)), number(shipped.get(key)))
     return list(rows.values())
 
@@ -253,8 +253,8 @@ def cell(row, key, unit="GiB"):
     if key.endswith(" ms"):
         if OOM in value:
             return OOM
-        med = statistics.median(value)
-        return f"{med:.2f}" if len(value) == 1 else f"{med:.2f} ({min(value):.2f}–{max(value):.2f})"
+        median = f"{statistics.median(value):.2f}"
+        return median if len(value) == 1 else f"{median} ({min(value):.2f}–{max(value):.2f})"
     if key.endswith("peak"):
         return f"{value / (MIB if unit == 'MiB' else GIB):.2f}"
     if key.endswith("/ shipped"):
@@ -262,8 +262,8 @@ def cell(row, key, unit="GiB"):
     return f"{value:.2e}"  # errors, differences
 
 
-MEASURE_COLUMNS = ["fwd ms", "fwd+bwd ms", "fwd peak", "fwd+bwd peak", "fwd+bwd ms / shipped",
-                   "fwd+bwd peak / shipped"]
+MEASURE_COLUMNS = ["fwd ms", "fwd+bwd ms", "fwd peak", "fwd+bwd peak", "fwd ms / shipped",
+                   "fwd+bwd ms / shipped", "fwd peak / shipped", "fwd+bwd peak / shipped"]
 CHECK_COLUMNS = ["experts", "y err", "x grad err", "probs grad err", "W1 grad err", "W2 grad err",
                  "y max |diff| vs shipped", "y repro", "grads repro"]
 
@@ -332,8 +332,9 @@ def main():
     body, data = [], {"measured": [], "checked": []}
     for tokens in args.tokens:
         rows_n = tokens * args.top_k
-        print(f"\n[{tokens} tokens] {rows_n} routed rows: output2 {rows_n * args.hidden * 2 / GIB:.2f}"
-              f" GiB bf16, its FP32 copy {rows_n * args.hidden * 4 / GIB:.2f} GiB", flush=True)
+        print(f"\n[{tokens} tokens] {rows_n} routed rows: output2 "
+              f"{rows_n * args.hidden * 2 / GIB:.2f} GiB bf16, its FP32 copy "
+              f"{rows_n * args.hidden * 4 / GIB:.2f} GiB", flush=True)
         module, inputs = build_experts(args, device), make_inputs(tokens, args, device)
         for mode in args.modes:
             rows = measure(Bench(automodel, module, inputs, mode), installs, meter, args.repeats,

@@ -49,8 +49,8 @@ def moe_config(dtype=torch.float32, **overrides) -> MoEConfig:
     return MoEConfig(**{**fields, **overrides})
 
 
-def backend(experts="torch_mm", **fields):
-    return BackendConfig(experts=experts, dispatcher="torch", **fields)
+def backend(experts="torch_mm"):
+    return BackendConfig(experts=experts, dispatcher="torch")
 
 
 def fill(module: torch.nn.Module, seed=0) -> torch.nn.Module:
