@@ -7,8 +7,7 @@
 # Runs benchmarks/automodel_combine_bench.py (time and peak memory of shipped, the fork's loop and
 # fp32_combine; the FP64 check and run-to-run reproducibility), then fails when an error against
 # FP64 exceeds BF16 rounding. Sized for under 5 minutes with the defaults (an estimate: not yet
-# run there). Results and the log land in
-# OUT_DIR/automodel.
+# run there). Results and the log land in OUT_DIR/automodel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:?usage: scripts/gpu_automodel.sh OUT_DIR [benchmark options]}/automodel"
