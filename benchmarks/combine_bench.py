@@ -24,33 +24,14 @@ interpreter. Does not import Megatron-Core (loads mcore_torch_experts.combine on
 """
 
 import argparse
-import importlib
-import os
-import sys
-import types
 from pathlib import Path
 
 import torch
 
-from harness import GIB, MIB, Meter, markdown_table, pyplot, save_figure, write_report
+from harness import (CPU_ENV, GIB, MIB, Meter, markdown_table, package_module, pyplot,
+                     rerun_with_cpu_env, save_figure, write_report)
 from harness import header as bench_header
 from shapes import COMBINE_SHAPES, TINY_COMBINE_SHAPES
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-# On the CPU the script re-executes itself with these set: glibc then maps every buffer of 64 KiB
-# or more separately and unmaps it when freed, so peak RSS sees each temporary; and the Triton
-# kernels are defined for the interpreter (the variable must be set before triton is imported).
-CPU_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "TRITON_INTERPRET": "1"}
-
-
-def load_combine():
-    """mcore_torch_experts.combine without running the package __init__ (imports Megatron-Core)."""
-    if "mcore_torch_experts" not in sys.modules:
-        package = types.ModuleType("mcore_torch_experts")
-        package.__path__ = [str(REPO_ROOT / "mcore_torch_experts")]
-        sys.modules["mcore_torch_experts"] = package
-    return importlib.import_module("mcore_torch_experts.combine")
 
 
 def make_inputs(tokens, top_k, hidden, experts, device, with_probs, seed=0):
@@ -280,15 +261,14 @@ def main():
     if device.type == "cpu":
         if not args.tiny:
             parser.error("no CUDA device: use --tiny for the CPU")
-        if CPU_ENV.items() - os.environ.items():
-            os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **CPU_ENV})
+        rerun_with_cpu_env()
     shapes = TINY_COMBINE_SHAPES if args.tiny else COMBINE_SHAPES
     shapes = {name: shapes[name] for name in (args.shapes or shapes)}
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
     args.repeats = args.repeats or (3 if args.tiny else 20)
     chunk_rows_list = args.chunk_rows or ([0, 64, 256] if args.tiny else [0, 4096, 16384, 65536])
     unit = "MiB" if args.tiny else "GiB"
-    combine = load_combine()
+    combine = package_module("combine")
     triton_note = triton_status(device)
     meter = Meter(device, args.warmup, args.repeats)
     meter_note = ("torch.cuda.max_memory_allocated() minus memory_allocated() at the start "

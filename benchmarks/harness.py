@@ -1,12 +1,16 @@
 """The benchmarks' one harness: the header (command, machine, versions), timing with CUDA events
 (the wall clock on the CPU), peak memory (allocator, or RSS on the CPU), host-sync counting and
-host-blocking probes (`Meter`), rows that record a failure instead of stopping the run, and the
-report (markdown, JSON, matplotlib).
+host-blocking probes (`Meter`), rows that record a failure or an OOM instead of stopping the run,
+and the report (markdown, JSON, matplotlib).
 
-Imports neither Megatron-Core nor the package (combine_bench.py runs without Megatron-Core).
+Imports neither Megatron-Core nor the package; `package_module` loads one package module without
+the package's __init__ (combine_bench.py and automodel_combine_bench.py run without Megatron-Core).
 """
 
+import gc
+import importlib
 import json
+import os
 import platform
 import re
 import shlex
@@ -15,6 +19,7 @@ import subprocess
 import sys
 import time
 import traceback
+import types
 import warnings
 from datetime import datetime, timezone
 from importlib import metadata
@@ -24,6 +29,29 @@ import torch
 
 MIB = 2.0 ** 20
 GIB = 2.0 ** 30
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# On the CPU a benchmark re-executes itself with these set (`rerun_with_cpu_env`): glibc then maps
+# every buffer of 64 KiB or more separately and unmaps it when freed, so peak RSS sees each
+# temporary; and Triton kernels are defined for the interpreter (the variable must be set before
+# triton is imported).
+CPU_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "TRITON_INTERPRET": "1"}
+
+
+def rerun_with_cpu_env() -> None:
+    """Re-execute this script with CPU_ENV set, unless it already is (then return)."""
+    if CPU_ENV.items() - os.environ.items():
+        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **CPU_ENV})
+
+
+def package_module(name: str):
+    """mcore_torch_experts.<name> from this checkout without running the package __init__
+    (which imports Megatron-Core)."""
+    if "mcore_torch_experts" not in sys.modules:
+        package = types.ModuleType("mcore_torch_experts")
+        package.__path__ = [str(REPO_ROOT / "mcore_torch_experts")]
+        sys.modules["mcore_torch_experts"] = package
+    return importlib.import_module(f"mcore_torch_experts.{name}")
 
 
 def version(dist: str) -> str:
@@ -247,6 +275,20 @@ def error_note(exc) -> str:
     """The table note of a failure (the traceback goes to stderr)."""
     traceback.print_exc()
     return f"error: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]}"
+
+
+OOM = "OOM"
+
+
+def catch_oom(fn):
+    """fn(), or OOM when the GPU runs out of memory (what fn held is freed, the cache emptied)."""
+    try:
+        return fn()
+    except torch.cuda.OutOfMemoryError:
+        pass
+    gc.collect()
+    torch.cuda.empty_cache()
+    return OOM
 
 
 def guarded(name, fn):

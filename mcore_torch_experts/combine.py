@@ -65,10 +65,9 @@ def fp32_combine(expert_out: torch.Tensor, token_ids: torch.Tensor, num_tokens: 
     in expert_out and probs. Tokens without rows get zeros.
     """
     _check_inputs(expert_out, token_ids, num_tokens, probs)
+    check_options(chunk_rows, backend)
     if chunk_rows is None:
         chunk_rows = chunk_rows_from_env()
-    elif isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 0:
-        raise ValueError(f"chunk_rows must be an int >= 0 (0 = single-shot), got {chunk_rows!r}")
     if _resolve_backend(backend, expert_out) == "triton":
         from .combine_triton import triton_fp32_combine
 
@@ -151,11 +150,18 @@ def _gather_row_grads(grad_y, token_ids, probs, expert_out, grad_out, grad_probs
         grad_out.copy_(grad_rows)
 
 
+def check_options(chunk_rows: Optional[int], backend: Optional[str]) -> None:
+    """Refuse a chunk_rows or backend that fp32_combine does not take (ValueError)."""
+    if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int)
+                                   or chunk_rows < 0):
+        raise ValueError(f"chunk_rows must be an int >= 0 (0 = single-shot), got {chunk_rows!r}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None (auto), got {backend!r}")
+
+
 def _resolve_backend(backend: Optional[str], expert_out: torch.Tensor) -> str:
     if backend is None:
         return "triton" if expert_out.is_cuda and _triton_importable() else "torch"
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS} or None (auto), got {backend!r}")
     if backend == "triton":
         _check_triton_can_run(expert_out)
     return backend

@@ -5,7 +5,8 @@
 #   0.16.1   3.11    .venv      the venv itself (pip install megatron-core==0.16.1)
 #   0.17.1   3.12    .venv312   .venv312/legs/mcore-0.17.1 (--target, put on PYTHONPATH)
 #   0.18.2   3.12    .venv312   .venv312/legs/mcore-0.18.2
-#   0.19.2   3.12    .venv312   .venv312/legs/mcore-0.19.2, with megatron-bridge 0.6.2
+#   0.19.2   3.12    .venv312   .venv312/legs/mcore-0.19.2, with megatron-bridge 0.6.2 and
+#                                nemo-automodel 0.7.0
 #
 # torch is 2.13.0 in both venvs. For Python 3.11 pip takes the CPU build from this machine's disk;
 # for Python 3.12 it is PyPI's CUDA build (about 5 GB, runs on the CPU), installed once and reused.
@@ -18,6 +19,11 @@ BRIDGE_VERSION=0.6.2
 # are the light ones its PEFT and conversion modules import, plus peft (and its accelerate) to run
 # Bridge's Hugging Face PEFT adapter exports (tests/test_hf_bridge_lora.py).
 BRIDGE_LIGHT_DEPS="transformers>=5.8,<=5.12.1 omegaconf>=2.3.0 pyyaml tqdm regex six rich peft==0.21.2 accelerate==1.15.0"
+AUTOMODEL_VERSION=0.7.0
+# NeMo Automodel is installed without its dependencies as well (they include CUDA-only packages):
+# its MoE experts module imports torch, triton and packaging, and its BackendConfig transformers
+# (above), for tests/test_automodel.py (install_fp32_combine on its GroupedExperts).
+AUTOMODEL_LIGHT_DEPS="packaging"
 
 leg_python_version() {  # leg -> the Python version it runs on
   case "$1" in
@@ -101,6 +107,13 @@ setup_leg() {  # leg -> makes its environment; returns 2 when its interpreter is
       "$venv/bin/python" -m pip install -q --no-deps --target "$target" "megatron-core==$leg"
     fi
     touch "$target/.complete"
+  fi
+  # Its own step, so that a leg folder made before it was added gets it too.
+  if [ "$leg" = 0.19.2 ] && [ ! -d "$target/nemo_automodel" ]; then
+    echo "[setup $leg] installing nemo-automodel==$AUTOMODEL_VERSION (no dependencies) into $target and its light dependencies into $venv"
+    "$venv/bin/python" -m pip install -q --no-deps --target "$target" "nemo-automodel==$AUTOMODEL_VERSION"
+    # shellcheck disable=SC2086
+    "$venv/bin/python" -m pip install -q $AUTOMODEL_LIGHT_DEPS
   fi
 }
 

@@ -110,3 +110,32 @@ def test_cycle_memory_runs_on_a_tiny_slice(tmp_path):
     assert set(report) == {"header", "te", "torch"}, report
     assert "Alive at the peak, by allocating site:" in stdout
     assert all(arm["trace_peak_gib"] > 0 for name, arm in report.items() if name != "header")
+
+
+def test_automodel_combine_bench_tiny(tmp_path):
+    pytest.importorskip("nemo_automodel.components.moe.experts",
+                        reason="nemo-automodel is not installed here (the megatron-core 0.19.2 "
+                               "leg installs it)")
+    stdout = run_benchmark("automodel_combine_bench.py", "--tiny", "--out-dir", str(tmp_path))
+    assert "| variant | fwd ms | fwd+bwd ms | fwd peak MiB | fwd+bwd peak MiB |" in stdout
+    assert "automodel_combine_bench.py --tiny" in stdout and "nemo-automodel 0.7.0" in stdout
+
+    report = json.loads((tmp_path / "automodel_combine_bench.json").read_text())
+    measured = [row for table in report["measured"] for row in table["rows"]]
+    variants = {row["variant"] for row in measured}
+    assert {"shipped (scatter_add_)", "fork loop 64", "fp32_combine torch 64"} <= variants
+    assert len(report["measured"]) == 2 * 2  # two token counts, experts frozen and trainable
+    for row in measured:
+        assert "note" not in row, row
+        if row["variant"] != "fp32_combine triton":  # interpreted: checked, not measured
+            assert len(row["fwd ms"]) == len(row["fwd+bwd ms"]) == 3, row  # the repeats
+            assert all(math.isfinite(t) and t > 0 for t in row["fwd ms"] + row["fwd+bwd ms"])
+            assert row["fwd+bwd ms / shipped"] > 0
+    checked = report["checked"]
+    assert len(checked) == 2 * len(variants)
+    on_cpu = any(line.startswith("device: CPU") for line in report["header"])
+    for row in checked:
+        assert all(row[k] < 2e-2 for k in row if k.endswith(" err") and row[k] is not None), row
+        if on_cpu:  # every variant adds each token's rows in row order, as scatter_add_ there
+            assert row["y max |diff| vs shipped"] == 0 and row["y repro"], row
+            assert row["grads repro"] == "yes", row

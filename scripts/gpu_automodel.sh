@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# NeMo Automodel's GroupedExperts and the FP32 combine on the device machine (H200), from the
+# repository root, with `.whl-automodel` carried (the nemo-automodel 0.7.0 wheel, installed
+# without its dependencies: its experts module needs torch, triton and packaging, which that
+# machine has; no Megatron-Core needed):
+#   bash scripts/gpu_automodel.sh OUT_DIR [automodel_combine_bench.py options, e.g. --tokens 16384]
+# Runs benchmarks/automodel_combine_bench.py (time and peak memory of shipped, the fork's loop and
+# fp32_combine; the FP64 check and run-to-run reproducibility), then fails when an error against
+# FP64 exceeds BF16 rounding. Sized for under 5 minutes with the defaults (an estimate: not yet
+# run there). Results and the log land in OUT_DIR/automodel.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${1:?usage: scripts/gpu_automodel.sh OUT_DIR [benchmark options]}/automodel"
+shift
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl-automodel/*.whl
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+mkdir -p "$out"
+python3 benchmarks/automodel_combine_bench.py --out-dir "$out" "$@" 2>&1 | tee "$out/log.txt"
+python3 - "$out/automodel_combine_bench.json" <<'EOF' | tee -a "$out/log.txt"
+import json, sys
+
+BF16_BOUND = 2e-2  # max |error| / max |reference| of BF16 GEMMs against FP64
+rows = json.load(open(sys.argv[1]))["checked"]
+bad = [r for r in rows if "note" in r or any(v > BF16_BOUND for k, v in r.items()
+                                             if k.endswith(" err"))]
+for r in bad:
+    print("over the bound or failed:", r)
+print(f"FP64 check: {'PASSED' if rows and not bad else 'FAILED'} ({len(rows)} rows)")
+sys.exit(1 if bad or not rows else 0)
+EOF

@@ -1,0 +1,335 @@
+"""install_fp32_combine on NeMo Automodel's GroupedExperts (nemo-automodel 0.7.0, torch_mm experts):
+the shipped module's outputs and gradients bit for bit on the CPU (FP32 and BF16, frozen and
+trainable experts), the FP64 reference's to FP32 rounding, no full-size FP32 temporary in forward
+or backward (peak RSS), scoped to the modules given and undoable, and the refusals."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+NOT_INSTALLED = ("nemo-automodel is not installed here (the megatron-core 0.19.2 leg installs "
+                 "0.7.0 without its dependencies, scripts/legs.sh)")
+automodel_experts = pytest.importorskip("nemo_automodel.components.moe.experts",
+                                        reason=NOT_INSTALLED)
+BackendConfig = pytest.importorskip(
+    "nemo_automodel.components.models.common",
+    reason="nemo_automodel's BackendConfig does not import (it needs transformers)").BackendConfig
+
+import nemo_automodel  # noqa: E402
+from nemo_automodel.components.moe.config import MoEConfig  # noqa: E402
+from nemo_automodel.components.moe.experts import GroupedExperts, GroupedExpertsDeepEP  # noqa: E402
+from nemo_automodel.components.moe.layers import MoE  # noqa: E402
+
+from mcore_torch_experts.automodel import (  # noqa: E402
+    AutomodelCombineError,
+    install_fp32_combine,
+    remove_combine,
+)
+
+from doc_snippets import DOCS, run_snippet  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENS, HIDDEN, FFN, EXPERTS, TOP_K = 40, 64, 24, 8, 3
+PADDING_TOKEN = 3  # token_mask False: routed nowhere
+FP32_TOL = 1e-5  # FP32 GEMMs over HIDDEN / FFN terms, relative to the largest reference value
+
+
+def moe_config(dtype=torch.float32, **overrides) -> MoEConfig:
+    fields = dict(n_routed_experts=EXPERTS, n_shared_experts=0, n_activated_experts=TOP_K,
+                  n_expert_groups=1, n_limited_groups=1, train_gate=True,
+                  gate_bias_update_factor=0.0, aux_loss_coeff=0.0, score_func="softmax",
+                  route_scale=1.0, dim=HIDDEN, inter_dim=4 * FFN, moe_inter_dim=FFN,
+                  norm_topk_prob=False, dtype=dtype)
+    return MoEConfig(**{**fields, **overrides})
+
+
+def backend(experts="torch_mm"):
+    return BackendConfig(experts=experts, dispatcher="torch")
+
+
+def fill(module: torch.nn.Module, seed=0) -> torch.nn.Module:
+    """Weights with unit-scale outputs: normal, std 1/sqrt(fan-in); biases std 0.1."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in module.parameters():
+            std = 0.1 if param.dim() < 3 else param.shape[1] ** -0.5
+            param.copy_(torch.randn(param.shape, generator=gen) * std)
+    return module
+
+
+def grouped_experts(dtype=torch.float32, experts="torch_mm", **overrides) -> GroupedExperts:
+    return fill(GroupedExperts(moe_config(dtype, **overrides), backend=backend(experts)))
+
+
+def routed_batch(dtype=torch.float32, tokens=TOKENS, hidden=HIDDEN, experts=EXPERTS, top_k=TOP_K,
+                 seed=1):
+    """x [T, H], token_mask [T] (one padding token), weights fp32 [T, k] and indices [T, k] (the
+    last expert gets no token), grad_y [T, H]."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    token_mask = torch.ones(tokens, dtype=torch.bool)
+    token_mask[PADDING_TOKEN] = False
+    scores, indices = torch.rand(tokens, experts - 1, generator=gen).topk(top_k, dim=1)
+    weights = scores.softmax(dim=1)
+    grad_y = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    return x, token_mask, weights, indices, grad_y
+
+
+def forward_backward(module, batch, trainable=True):
+    """y and the gradients of x, weights and (trainable) every parameter, in that order."""
+    x, token_mask, weights, indices, grad_y = batch
+    module.requires_grad_(trainable)
+    module.zero_grad(set_to_none=True)
+    x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
+    y = module(x, token_mask, weights, indices)
+    y.backward(grad_y)
+    return [y.detach(), x.grad, weights.grad] + [p.grad for p in module.parameters()]
+
+
+def assert_bitwise(expected, actual):
+    assert len(expected) == len(actual)
+    for i, (a, b) in enumerate(zip(expected, actual)):
+        assert (a is None) == (b is None), i
+        assert a is None or (a.dtype == b.dtype and torch.equal(a, b)), i
+
+
+def fp64_reference(module, batch):
+    """y [T, H] and the gradients of x, weights and every parameter, in float64: each token's
+    sum over its top-k experts of (swiglu(x W1_e + b1_e) * p) W2_e + b2_e * p."""
+    x, token_mask, weights, indices, grad_y = batch
+    leaves = [t.detach().double().requires_grad_() for t in (x, weights, *module.parameters())]
+    x64, w64, w1, w2, *biases = leaves
+    tokens, slots = torch.where(token_mask.unsqueeze(1).expand_as(indices))
+    expert, probs = indices[tokens, slots], w64[tokens, slots].unsqueeze(1)
+    h = torch.einsum("nh,nhf->nf", x64[tokens], w1[expert])
+    if biases:
+        h = h + biases[0][expert]
+    gate, up = h.chunk(2, dim=1)
+    rows = torch.einsum("nf,nfh->nh", F.silu(gate) * up * probs, w2[expert])
+    if biases:
+        rows = rows + biases[1][expert] * probs
+    y = torch.zeros(x.shape, dtype=torch.float64).index_add(0, tokens, rows)
+    y.backward(grad_y.double())
+    return [y.detach()] + [leaf.grad for leaf in leaves]
+
+
+# --- same outputs and gradients as shipped -------------------------------------------------------
+
+@pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
+@pytest.mark.parametrize("expert_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("chunk_rows", [0, 5], ids=["single-shot", "chunks-of-5"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_same_outputs_and_gradients_as_shipped_bitwise(dtype, chunk_rows, expert_bias, trainable):
+    """On the CPU scatter-add sums each token's rows in row order, and so does the torch combine,
+    in chunks or not; its backward gathers the same FP32 gradient rows and casts them once."""
+    module = grouped_experts(dtype, expert_bias=expert_bias)
+    batch = routed_batch(dtype)
+    shipped = forward_backward(module, batch, trainable)
+    assert install_fp32_combine(module, chunk_rows=chunk_rows, backend="torch") == [""]
+    inputs = [t.clone() for t in batch]
+    combined = forward_backward(module, batch, trainable)
+    assert_bitwise(shipped, combined)
+    assert all(torch.equal(a, b) for a, b in zip(inputs, batch))  # inputs never modified
+
+
+@pytest.mark.parametrize("expert_bias", [False, True], ids=["no-bias", "bias"])
+def test_matches_fp64_reference_to_fp32_rounding(expert_bias):
+    module = grouped_experts(expert_bias=expert_bias)
+    batch = routed_batch()
+    install_fp32_combine(module, chunk_rows=5, backend="torch")
+    combined = forward_backward(module, batch)
+    reference = fp64_reference(module, batch)
+    assert len(combined) == len(reference) == 5 + 2 * expert_bias
+    for actual, expected in zip(combined, reference):
+        bound = FP32_TOL * expected.abs().max()
+        assert (actual.double() - expected).abs().max() <= bound
+    assert torch.equal(combined[0][PADDING_TOKEN], torch.zeros(HIDDEN))
+
+
+def test_no_routed_rows_runs_the_shipped_dummy_graph():
+    """No token routed to a local expert: the shipped method's zeros and graph."""
+    module = grouped_experts()
+    x, token_mask, weights, indices, grad_y = routed_batch()
+    batch = (x, torch.zeros_like(token_mask), weights, indices, grad_y)
+    shipped = forward_backward(module, batch)
+    install_fp32_combine(module, backend="torch")
+    assert_bitwise(shipped, forward_backward(module, batch))
+
+
+@pytest.mark.triton_interpreter
+def test_triton_backend_matches_shipped_bitwise_in_fp32():
+    """The fused kernel also adds each token's rows in row order from zero; in FP32 its backward
+    writes the gradient rows uncast."""
+    pytest.importorskip("triton", reason="triton is not installed: the fused kernel is untested")
+    module = grouped_experts()
+    batch = routed_batch()
+    shipped = forward_backward(module, batch)
+    install_fp32_combine(module, backend="triton")
+    assert_bitwise(shipped, forward_backward(module, batch))
+
+
+# --- peak memory ---------------------------------------------------------------------------------
+
+# Peak RSS above the start of each call in a fresh process (harness.Meter: VmHWM reset through
+# /proc/self/clear_refs; MALLOC_MMAP_THRESHOLD_ maps and unmaps every buffer of 64 KiB or more on
+# its own, so each temporary shows). One warm-up call first (torch.compile of the activation).
+MEMORY_PROBE = r"""
+import json, sys
+import torch
+sys.path[:0] = sys.argv[1:3]
+from harness import Meter
+from test_automodel import grouped_experts, routed_batch
+from mcore_torch_experts.automodel import install_fp32_combine
+
+tokens, hidden, experts, top_k, chunk_rows = map(int, sys.argv[3:])
+module = grouped_experts(torch.bfloat16, dim=hidden, n_routed_experts=experts,
+                         n_activated_experts=top_k).requires_grad_(False)
+x, token_mask, weights, indices, grad_y = routed_batch(torch.bfloat16, tokens, hidden,
+                                                       experts + 1, top_k)
+x.requires_grad_()
+meter = Meter(torch.device("cpu"))
+
+def forward():
+    return module(x, token_mask, weights, indices)
+
+peaks = {}
+for name in ("shipped", "fp32_combine"):
+    if name == "fp32_combine":
+        install_fp32_combine(module, chunk_rows=chunk_rows, backend="torch")
+    forward().backward(grad_y)  # warm-up
+    x.grad = None
+    y = forward()
+    peaks[name] = {"forward": meter.peak_extra_bytes(forward),
+                   "backward": meter.peak_extra_bytes(lambda: y.backward(grad_y))}
+    del y
+    x.grad = None
+print(json.dumps(peaks))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_no_full_size_fp32_temporary_in_forward_or_backward():
+    """2048 tokens x top-4 of 4 frozen experts, hidden 1024: output2 is 16 MiB bf16, its FP32
+    copy 32 MiB, y 8 MiB, a 512-row chunk 2 MiB. Shipped, the forward holds the copy, and the
+    backward the FP32 gradient rows next to their bf16 cast. The combine's forward must need the
+    copy less (a chunk at a time instead); its backward the FP32 rows less, though y's FP32
+    gradient is still alive next to the bf16 rows and a chunk."""
+    tokens, hidden, experts, top_k, chunk_rows = 2048, 1024, 4, 4, 512
+    fp32_copy, accumulator = tokens * top_k * hidden * 4, tokens * hidden * 4
+    chunk, slack = chunk_rows * hidden * 4, 4 * 2 ** 20
+    saving = {"forward": fp32_copy - 2 * chunk, "backward": fp32_copy - accumulator - 2 * chunk}
+    args = [str(ROOT / "tests"), str(ROOT / "benchmarks"), tokens, hidden, experts, top_k,
+            chunk_rows]
+    probe = subprocess.run([sys.executable, "-c", MEMORY_PROBE, *map(str, args)],
+                           capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+    assert probe.returncode == 0, probe.stderr[-4000:]
+    peaks = json.loads(probe.stdout.splitlines()[-1])
+    if peaks["shipped"]["forward"] is None:
+        pytest.skip("cannot reset the peak-RSS counter here (/proc/self/clear_refs)")
+    for phase in ("forward", "backward"):
+        shipped, combined = peaks["shipped"][phase], peaks["fp32_combine"][phase]
+        assert shipped > fp32_copy, peaks  # the measurement sees the full-size FP32 tensor
+        assert combined < shipped - saving[phase] + slack, (phase, peaks)
+
+
+# --- scope, undo, refusals -----------------------------------------------------------------------
+
+def test_scoped_to_the_modules_given_idempotent_and_undone():
+    """An MoE layer (router and experts): only its experts get the combine, the class and
+    nemo_automodel's module globals stay as they are, a second call changes nothing, and
+    remove_combine gives the shipped method back."""
+    layer = fill(MoE(moe_config(), backend()))
+    other = grouped_experts()
+    x = routed_batch()[0].requires_grad_()
+    module_globals, class_dict = dict(vars(automodel_experts)), dict(vars(GroupedExperts))
+
+    def layer_step():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        layer(x).square().sum().backward()
+        return [x.grad.clone()] + [p.grad for p in layer.parameters()]
+
+    shipped = layer_step()
+    assert install_fp32_combine(layer, backend="torch") == ["experts"]
+    assert install_fp32_combine(layer, chunk_rows=7, backend="torch") == ["experts"]
+    assert "_forward_grouped_mm" in vars(layer.experts)
+    assert "_forward_grouped_mm" not in vars(other)
+    assert vars(automodel_experts) == module_globals and dict(vars(GroupedExperts)) == class_dict
+    assert_bitwise(shipped, layer_step())
+    assert remove_combine(layer) == ["experts"]
+    assert remove_combine(layer) == []
+    assert "_forward_grouped_mm" not in vars(layer.experts)
+    assert_bitwise(shipped, layer_step())
+
+
+def test_docs_snippet_installs_and_removes():
+    layer = fill(MoE(moe_config(), backend()))
+    namespace = run_snippet("install", doc=DOCS / "automodel.md", model=layer)
+    assert namespace["names"] == ["experts"]
+    assert "_forward_grouped_mm" not in vars(layer.experts)
+
+
+class _OwnForward(GroupedExperts):
+    def forward(self, x, token_mask, weights, indices):
+        return super().forward(x, token_mask, weights, indices)
+
+
+def _replaced_on_the_instance(attr):
+    module = grouped_experts()
+    setattr(module, attr, lambda *args: None)
+    return module
+
+
+REFUSED = {
+    "per-expert-loop": (lambda: grouped_experts(experts="torch"),
+                        r"use_torch_mm=False \(backend.experts is not 'torch_mm'\)"),
+    "weight-after-down": (lambda: grouped_experts(apply_router_weight_after_down=True),
+                          r"config.apply_router_weight_after_down=True"),
+    "subclass-forward": (lambda: _OwnForward(moe_config(), backend=backend()),
+                         r"_OwnForward overrides GroupedExperts.forward"),
+    "instance-forward": (lambda: _replaced_on_the_instance("forward"),
+                         r"its forward was replaced on the instance"),
+    "instance-grouped-mm": (lambda: _replaced_on_the_instance("_forward_grouped_mm"),
+                            r"its _forward_grouped_mm was replaced on the instance"),
+    "deepep": (lambda: GroupedExpertsDeepEP(moe_config(), backend=backend()),
+               r"dispatchers combine the expert outputs themselves"),
+    "no-experts": (lambda: torch.nn.Linear(2, 2), r"ModuleList holds no GroupedExperts"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_refusal_names_the_field_and_leaves_every_module_unchanged(case):
+    build, message = REFUSED[case]
+    supported = grouped_experts()
+    model = torch.nn.ModuleList([supported, build()] if case != "no-experts" else [build()])
+    before = [dict(vars(m)) for m in model]
+    with pytest.raises(AutomodelCombineError, match=message):
+        install_fp32_combine(model)
+    assert [dict(vars(m)) for m in model] == before
+
+
+def test_refuses_an_unverified_release(monkeypatch):
+    module = grouped_experts()
+    monkeypatch.setattr(nemo_automodel, "__version__", "0.8.0")
+    with pytest.raises(AutomodelCombineError,
+                       match=r"nemo_automodel.__version__='0.8.0'.*nemo-automodel==0.7.0"):
+        install_fp32_combine(module)
+    assert "_forward_grouped_mm" not in vars(module)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(chunk_rows=-1), "chunk_rows must be an int >= 0"),
+    (dict(backend="cuda"), "backend must be one of"),
+])
+def test_bad_options_are_refused_before_any_change(options, message):
+    module = grouped_experts()
+    with pytest.raises(ValueError, match=message):
+        install_fp32_combine(module, **options)
+    assert "_forward_grouped_mm" not in vars(module)
