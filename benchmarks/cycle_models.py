@@ -270,8 +270,9 @@ def describe(model: ModelSlice, layers: int, stack: str, args) -> list:
     if model.local_experts and args.ep <= full_ep:
         lines.append(
             f"experts: {model.local_experts} per rank, as on one rank of the model's "
-            f"{model.experts} at EP={full_ep}, so each expert gets the rows it gets there "
-            f"(balanced routing: tokens per rank x top-{model.topk} / {model.local_experts})"
+            f"{model.experts} at EP={full_ep} without tensor parallelism, so each expert gets "
+            f"the rows it gets there (balanced routing: tokens per rank x top-{model.topk} / "
+            f"{model.local_experts})"
             + (f"; {built} experts in all at EP={args.ep}, top-{model.topk} over those"
                if built < model.experts else ""))
     lines.append(
