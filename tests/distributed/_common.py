@@ -265,11 +265,11 @@ def parity_table(ranks: list) -> str:
                    "grad_vs_reference", f"{other}_out_vs_reference", f"{other}_grad_vs_reference")
         worst = {}
         for rank in ranks:
-            for row in rank.get(key, []):
+            for row in rank[key]:
                 line = worst.setdefault((rank["layout"], row["dispatcher"], row["case"]),
                                         dict.fromkeys(columns, 0.0))
                 for name in columns:
-                    line[name] = max(line[name], row.get(name, 0.0))
+                    line[name] = max(line[name], row[name])
         if not worst:
             continue
         heads = (f"out/{short}", f"grad/{short}", "out/ref", "grad/ref", f"{short} out/ref",
@@ -284,8 +284,7 @@ def parity_table(ranks: list) -> str:
                for rank in ranks for skip in rank["skipped"]}
     lines += [f"{layout:<16} {dispatcher:<10} skipped: {reason}"
               for layout, dispatcher, reason in sorted(skipped)]
-    te_skipped = {(rank["layout"], rank["te_skipped"]) for rank in ranks
-                  if rank.get("te_skipped")}
+    te_skipped = {(rank["layout"], rank["te_skipped"]) for rank in ranks if rank["te_skipped"]}
     lines += [f"{layout:<16} TEGroupedMLP skipped: {reason}"
               for layout, reason in sorted(te_skipped)]
     return "\n".join(lines)
