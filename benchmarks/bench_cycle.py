@@ -16,10 +16,17 @@ the phase's peak above what was allocated when the phase began. With --profile (
 update pass per arm broken down by component (cycle_profile.py). Writes (cycle_report.py)
 results.md, results.json and one breakdown-<slice>-<layers>.png per profiled slice to --out-dir.
 
+Under torchrun (`--ep N`: expert parallelism N, every rank a data-parallel rank with its own
+micro-batches) each rank holds experts / N of the slice's experts (shapes.ModelSlice.built_experts:
+the Super-like slice keeps 128 per rank, the model's layout at EP4); per measured round each
+phase's time is the slowest rank's, the peaks and the logprob differences are the highest of any
+rank, tokens/s counts the tokens of every rank, the profile is rank 0's; an arm that fails on one
+rank is dropped on all.
+
     python benchmarks/bench_cycle.py --out-dir runs/cycle                # one H200, TE stack
     python benchmarks/bench_cycle.py --slices nemotron-3-super:4 --expert-adapters shared,per_expert
     python benchmarks/bench_cycle.py --stack local --arms sequential,torch  # the old comparison
-    torchrun --nproc-per-node 2 benchmarks/bench_cycle.py --ep 2           # EP=2, alltoall
+    torchrun --nproc-per-node 4 benchmarks/bench_cycle.py --ep 4           # EP=4, alltoall
     python benchmarks/bench_cycle.py --smoke                               # tiny, seconds (CI)
 """
 
@@ -36,10 +43,11 @@ import torch
 import cycle_models as cm
 import cycle_profile as cp
 from cycle_report import run_lines, write_results
-from harness import GIB, Stopwatch, error_note, header, reset_peak
+from harness import GIB, Stopwatch, error_note, gather_ranks, header, reset_peak
 from shapes import SLICES, ModelSlice
 
 CLIP = 0.2
+PHASES = ("logprob", "update")
 DEFAULT_ARMS = {"te": "te,te-cutlass,torch", "local": "sequential,torch,te,te-cutlass"}
 DEFAULT_SLICES = {"te": "nemotron-3-super:4,qwen3-30b-a3b:4,qwen3-30b-a3b:16:3",
                   "local": "qwen3-30b-a3b:4:3"}
@@ -166,19 +174,25 @@ def timed_phase(cycle: Cycle, phase: str, device):
     return ms, extra
 
 
-def run_interleaved(cycles: dict, args, device, clock):
-    """({variant: {"logprob": [ms], "update": [ms], "extra": {phase: max bytes}}} over the
-    measured rounds, {variant: note} of those that failed); every round runs each variant's
-    cycle once, in turn; a variant that fails leaves the rounds, the others go on."""
-    runs = {v: {"logprob": [], "update": [], "extra": {"logprob": 0, "update": 0}}
-            for v in cycles}
+def agreed(note):
+    """The first failure note any rank has for a variant (None: it ran on every rank). Every
+    rank drops a variant that failed on one, so that all go on with the same collectives."""
+    return next((n for n in gather_ranks(note) if n), None)
+
+
+def run_interleaved(cycles: dict, args, device, log):
+    """({variant: {phase: [ms], "resident": bytes, "peak": {phase: bytes}}} over the measured
+    rounds and every rank (`over_ranks`), {variant: note} of those that failed); every round
+    runs each variant's cycle once, in turn; a variant that fails leaves the rounds, the others
+    go on. Peaks: the arm's resident tensors plus the phase's largest extra (None on the CPU)."""
+    runs = {v: {"logprob": [], "update": [], "extra": dict.fromkeys(PHASES, 0)} for v in cycles}
     failed = {}
     rounds = args.warmup + args.cycles
     for i in range(rounds):
         for variant, cycle in list(cycles.items()):
-            this = {}
+            this, note = {}, None
             try:
-                for phase in ("logprob", "update"):
+                for phase in PHASES:
                     this[phase], extra = timed_phase(cycle, phase, device)
                     if i >= args.warmup:
                         runs[variant][phase].append(this[phase])
@@ -186,43 +200,67 @@ def run_interleaved(cycles: dict, args, device, clock):
                             runs[variant]["extra"][phase] = max(runs[variant]["extra"][phase],
                                                                 extra)
             except Exception as exc:  # noqa: BLE001 - reported in the table
-                failed[variant] = error_note(exc)
+                note = error_note(exc)
+            note = agreed(note)
+            if note:
+                failed[variant] = note
                 del cycles[variant], runs[variant]
                 continue
             warm = " (warm-up)" if i < args.warmup else ""
-            print(f"[cycle] {clock()} round {i + 1}/{rounds}{warm} {variant[0]} ({variant[1]}): "
-                  f"logprob {this['logprob']:.1f} ms, update {this['update']:.1f} ms", flush=True)
-    return runs, failed
+            log(f"round {i + 1}/{rounds}{warm} {variant[0]} ({variant[1]}): "
+                f"logprob {this['logprob']:.1f} ms, update {this['update']:.1f} ms")
+    for variant, run in runs.items():
+        resident = cycles[variant].resident_bytes() if device.type == "cuda" else None
+        run["resident"] = resident
+        run["peak"] = (None if resident is None else
+                       {phase: resident + run["extra"][phase] for phase in PHASES})
+    return over_ranks(runs), failed
+
+
+def over_ranks(runs: dict) -> dict:
+    """Every rank's runs as one: per measured round each phase's time on the slowest rank, and
+    the highest resident bytes and peaks of any rank (one process: its own)."""
+    ranks = gather_ranks(runs)
+    merged = {}
+    for variant in runs:
+        each = [rank[variant] for rank in ranks]
+        merged[variant] = {phase: [max(ms) for ms in zip(*(run[phase] for run in each))]
+                           for phase in PHASES}
+        cuda = each[0]["resident"] is not None
+        merged[variant]["resident"] = max(run["resident"] for run in each) if cuda else None
+        merged[variant]["peak"] = ({phase: max(run["peak"][phase] for run in each)
+                                    for phase in PHASES} if cuda else None)
+    return merged
 
 
 def spread(values) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def variant_row(variant, cycle: Cycle, run: dict, tokens: int, device) -> dict:
+def variant_row(variant, run: dict, tokens: int) -> dict:
     arm, layout = variant
     cycles = [a + b for a, b in zip(run["logprob"], run["update"])]
     row = {"arm": arm, "layout": layout, "module": cm.ARMS[arm],
            "logprob_ms": spread(run["logprob"]), "update_ms": spread(run["update"]),
            "cycle_ms": spread(cycles), "cycles_ms": cycles}
     row["tokens_per_s"] = tokens / (row["cycle_ms"]["median"] / 1e3)
-    if device.type == "cuda":
-        resident = cycle.resident_bytes()
-        row["resident_gib"] = resident / GIB
-        row.update({f"{phase}_peak_gib": (resident + run["extra"][phase]) / GIB
-                    for phase in ("logprob", "update")})
+    if run["resident"] is not None:
+        row["resident_gib"] = run["resident"] / GIB
+        row.update({f"{phase}_peak_gib": run["peak"][phase] / GIB for phase in PHASES})
     return row
 
 
-def run_slice(key: str, layers: int, stack: str, arms, layouts, args, device, clock) -> dict:
+def run_slice(key: str, layers: int, stack: str, arms, layouts, args, device, log) -> dict:
     """One slice: every (arm, expert-adapter layout) built, first logprobs compared with the
-    first variant's, measured interleaved, profiled; models freed at the end."""
+    first variant's, measured interleaved, profiled; models freed at the end. Under torchrun
+    every rank runs it; the figures are over all ranks (`over_ranks`), the profile rank 0's."""
     model = SLICES[key]
     config = cm.make_config(model, layers, stack, args, device)
     batches = make_batches(model, args, device)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     tokens = args.micro_batches * args.micro_batch_size * args.seq * world
-    result = {"slice": key, "layers": layers, "label": f"{model.label}, {layers} MoE layers",
+    label = f"{model.label}, {layers} MoE layers" + (f", EP={args.ep}" if args.ep > 1 else "")
+    result = {"slice": key, "layers": layers, "label": label,
               "header": cm.describe(model, layers, stack, args) + [
                   f"{args.cycles} measured rounds" + ("" if args.profile else "; not profiled")],
               "rows": []}
@@ -231,7 +269,7 @@ def run_slice(key: str, layers: int, stack: str, arms, layouts, args, device, cl
         for arm in arms:
             variant = (arm, layout)
             why = cm.arm_unavailable(arm, stack, device)
-            started = time.perf_counter()
+            started, note = time.perf_counter(), None
             try:
                 if why:
                     raise cm.NotAvailable(why)
@@ -240,17 +278,21 @@ def run_slice(key: str, layers: int, stack: str, arms, layouts, args, device, cl
                 cycles[variant] = Cycle(arm, built, batches, stack, args, device)
                 with cycles[variant].environment():
                     first[variant] = [lp.float().cpu() for lp in cycles[variant].logprob_pass()]
-                reference = reference or variant
-                print(f"[cycle] {clock()} {key}:{layers} {arm} ({layout}): built in "
-                      f"{time.perf_counter() - started:.1f} s", flush=True)
             except cm.NotAvailable as exc:
-                notes[variant] = str(exc)
+                note = str(exc)
             except Exception as exc:  # noqa: BLE001 - reported in the table, traceback on stderr
+                note = error_note(exc)
+            note = agreed(note)
+            if note:
                 cycles.pop(variant, None)
-                notes[variant] = error_note(exc)
-                print(f"[cycle] {clock()} {key}:{layers} {arm} ({layout}): {notes[variant]}",
-                      flush=True)
-    runs, failed = run_interleaved(cycles, args, device, clock)
+                notes[variant] = note
+                if note.startswith("error"):
+                    log(f"{key}:{layers} {arm} ({layout}): {note}")
+                continue
+            reference = reference or variant
+            log(f"{key}:{layers} {arm} ({layout}): built in "
+                f"{time.perf_counter() - started:.1f} s")
+    runs, failed = run_interleaved(cycles, args, device, log)
     notes.update(failed)
     for layout in layouts:
         for arm in arms:
@@ -259,11 +301,12 @@ def run_slice(key: str, layers: int, stack: str, arms, layouts, args, device, cl
                 result["rows"].append({"arm": arm, "layout": layout, "module": cm.ARMS[arm],
                                        "note": notes[variant]})
                 continue
-            row = variant_row(variant, cycles[variant], runs[variant], tokens, device)
+            row = variant_row(variant, runs[variant], tokens)
             if layout == "per_expert" or "sequential" not in (arm, reference[0]):
-                # SequentialMLP has one adapter per expert linear: like for like only then
-                row["logprob_diff"] = statistics.mean(
-                    float((a - b).abs().mean()) for a, b in zip(first[variant], first[reference]))
+                # SequentialMLP has one adapter per expert linear: like for like only then;
+                # the largest of the ranks' mean differences
+                row["logprob_diff"] = max(gather_ranks(statistics.mean(
+                    float((a - b).abs().mean()) for a, b in zip(first[variant], first[reference]))))
                 row["logprob_diff_vs"] = f"{cm.ARMS[reference[0]]} ({reference[1]})"
             if args.profile:
                 try:
@@ -271,7 +314,7 @@ def run_slice(key: str, layers: int, stack: str, arms, layouts, args, device, cl
                                                        row["update_ms"]["median"], device)
                 except Exception as exc:  # noqa: BLE001 - reported under the table
                     row["profile_note"] = error_note(exc)
-                print(f"[cycle] {clock()} {key}:{layers} {arm} ({layout}): profiled", flush=True)
+                log(f"{key}:{layers} {arm} ({layout}): profiled")
             result["rows"].append(row)
     cycles.clear()
     gc.collect()
@@ -377,18 +420,19 @@ def main():
                                             "megatron-bridge")) + run_lines(args, world)
     started = time.perf_counter()
 
-    def clock():
-        return f"[{time.perf_counter() - started:5.0f} s]"
+    def log(message):
+        if rank0:
+            print(f"[cycle] [{time.perf_counter() - started:5.0f} s] {message}", flush=True)
 
     if rank0:
         print("\n".join(f"[cycle] {line}" for line in lines_header), flush=True)
     results = []
     for key, layers, cycles in slices:
-        print(f"[cycle] {clock()} slice {key}:{layers} on the {stack} stack", flush=True)
+        log(f"slice {key}:{layers} on the {stack} stack")
         this = argparse.Namespace(**{**vars(args), "cycles": cycles or args.cycles,
                                      "profile": args.profile and layers <= args.profile_max_layers})
         try:
-            results.append(run_slice(key, layers, stack, arms, layouts, this, device, clock))
+            results.append(run_slice(key, layers, stack, arms, layouts, this, device, log))
         except Exception as exc:  # noqa: BLE001 - the other slices still run
             results.append({"slice": key, "layers": layers, "label": f"{key}, {layers} MoE layers",
                             "header": [f"slice failed: {error_note(exc)}"], "rows": []})
@@ -396,7 +440,9 @@ def main():
             text, written = write_results(args, lines_header, results)
     if rank0:
         print(text, flush=True)
-        print(f"[cycle] {clock()} wrote {', '.join(written)} to {args.out_dir}", flush=True)
+        log(f"wrote {', '.join(written)} to {args.out_dir}")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

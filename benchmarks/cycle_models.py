@@ -120,7 +120,7 @@ def make_config(model: ModelSlice, layers: int, stack: str, args, device):
         num_layers=2 * layers if model.hybrid else layers, hidden_size=model.hidden,
         num_attention_heads=model.heads, num_query_groups=model.query_groups,
         kv_channels=model.head_dim, qk_layernorm=model.qk_layernorm,
-        ffn_hidden_size=model.moe_ffn, num_moe_experts=model.experts,
+        ffn_hidden_size=model.moe_ffn, num_moe_experts=model.built_experts(args.ep),
         moe_ffn_hidden_size=model.moe_ffn, moe_router_topk=model.topk, moe_router_dtype="fp32",
         moe_router_score_function=model.router,
         moe_router_enable_expert_bias=model.router == "sigmoid",
@@ -253,8 +253,10 @@ def describe(model: ModelSlice, layers: int, stack: str, args) -> list:
     attention = (f"GQA {model.heads}/{model.query_groups} heads of {model.head_dim}"
                  + (", QK RMSNorm" if model.qk_layernorm else "")
                  + (", RoPE" if model.rotary_base else ""))
-    experts = (f"{model.experts} {'SwiGLU' if model.activation == 'swiglu' else 'squared-ReLU'}"
+    built = model.built_experts(args.ep)
+    experts = (f"{built} {'SwiGLU' if model.activation == 'swiglu' else 'squared-ReLU'}"
                f" experts of {model.moe_ffn}, top-{model.topk} ({model.router} router)"
+               + (f", {built // args.ep} per rank at EP={args.ep}" if args.ep > 1 else "")
                + (f", latent {model.latent} (the experts see {model.latent})"
                   if model.latent else "")
                + (f", shared expert of {model.shared_ffn}" if model.shared_ffn else ""))
@@ -264,6 +266,15 @@ def describe(model: ModelSlice, layers: int, stack: str, args) -> list:
              f"{experts}; vocab {model.vocab}; BF16 base, frozen"]
     if model.note:
         lines.append(f"slice: {model.note}")
+    full_ep = model.experts // (model.local_experts or model.experts)
+    if model.local_experts and args.ep <= full_ep:
+        lines.append(
+            f"experts: {model.local_experts} per rank, as on one rank of the model's "
+            f"{model.experts} at EP={full_ep} without tensor parallelism, so each expert gets "
+            f"the rows it gets there (balanced routing: tokens per rank x top-{model.topk} / "
+            f"{model.local_experts})"
+            + (f"; {built} experts in all at EP={args.ep}, top-{model.topk} over those"
+               if built < model.experts else ""))
     lines.append(
         "stack: Megatron's Transformer Engine specs (TE attention, TE linears and norms, "
         f"TEGroupedMLP experts; fused permute {'on' if args.permute_fusion else 'off'})"

@@ -88,7 +88,9 @@ def run_lines(args, world) -> list:
         f"round(s) then {args.cycles} measured (a slice that sets its own count says so); "
         "median (min–max) over the measured cycles; "
         "tokens/s = tokens of all ranks per cycle / median cycle time; peak = the arm's "
-        "resident tensors + the phase's torch.cuda.max_memory_allocated above its start",
+        "resident tensors + the phase's torch.cuda.max_memory_allocated above its start"
+        + (f"; over {world} ranks: each round's phase times are the slowest rank's, peaks and "
+           "logprob differences the highest rank's, the profile rank 0's" if world > 1 else ""),
     ]
 
 

@@ -1,7 +1,7 @@
 """The benchmarks' one harness: the header (command, machine, versions), timing with CUDA events
-(the wall clock on the CPU), peak memory (allocator, or RSS on the CPU), host-sync counting and
-host-blocking probes (`Meter`), rows that record a failure or an OOM instead of stopping the run,
-and the report (markdown, JSON, matplotlib).
+(the wall clock on the CPU), every rank's figures under torchrun, peak memory (allocator, or RSS
+on the CPU), host-sync counting and host-blocking probes (`Meter`), rows that record a failure or
+an OOM instead of stopping the run, and the report (markdown, JSON, matplotlib).
 
 Imports neither Megatron-Core nor the package; `package_module` loads one package module without
 the package's __init__ (combine_bench.py and automodel_combine_bench.py run without Megatron-Core).
@@ -94,6 +94,15 @@ def header(device: torch.device, packages=("triton", "megatron-core", "transform
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def gather_ranks(value) -> list:
+    """Every rank's `value` (a picklable object), by rank; [value] without a process group."""
+    if not torch.distributed.is_initialized():
+        return [value]
+    values = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(values, value)
+    return values
 
 
 class Stopwatch:

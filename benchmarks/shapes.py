@@ -79,7 +79,7 @@ class ModelSlice:
     heads: int
     query_groups: int
     head_dim: int
-    experts: int  # local experts (one GPU holds them all)
+    experts: int  # the model's routed experts
     topk: int
     moe_ffn: int
     vocab: int
@@ -91,6 +91,16 @@ class ModelSlice:
     rotary_base: Optional[int] = None  # None: no position embedding
     router: str = "softmax"
     note: str = ""
+    # Set: every rank holds this many experts, the share of one rank of the model at
+    # EP = experts / local_experts; below that EP the slice builds fewer experts than the model.
+    local_experts: Optional[int] = None
+
+    def built_experts(self, ep: int) -> int:
+        """The routed experts built at expert parallelism `ep`: the model's, or with
+        `local_experts`, local_experts x ep of them (at most the model's)."""
+        if self.local_experts is None:
+            return self.experts
+        return min(self.experts, self.local_experts * ep)
 
 
 SLICES = {
@@ -98,11 +108,10 @@ SLICES = {
         "Qwen3-30B-A3B", 2048, 32, 4, 128, 128, 8, 768, 151936, "swiglu", qk_layernorm=True,
         rotary_base=1_000_000),
     "nemotron-3-super": ModelSlice(
-        "Nemotron-3 Super-like (one EP4 rank)", 4096, 32, 2, 128, 128, 22, 2688, 131072,
-        "squared_relu", hybrid=True, latent=1024, shared_ffn=5376, router="sigmoid",
-        note="attention and MoE layers only (no Mamba); 128 local experts as on one rank of "
-             "EP4 (the model has 512), top-22 over those 128, so every expert sees 4x the rows "
-             "of a real EP4 rank's at the same tokens per rank; no position embedding"),
+        "Nemotron-3 Super-like (128 experts per rank)", 4096, 32, 2, 128, 512, 22,
+        2688, 131072, "squared_relu", hybrid=True, latent=1024, shared_ffn=5376,
+        router="sigmoid", local_experts=128,
+        note="attention and MoE layers only (no Mamba); no position embedding"),
     "tiny": ModelSlice("tiny", 64, 4, 2, 16, 8, 2, 32, 128, "swiglu", qk_layernorm=True,
                        rotary_base=10_000),
     "tiny-hybrid": ModelSlice("tiny hybrid", 128, 4, 2, 32, 8, 4, 64, 256, "squared_relu",

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchrun_support import torchrun
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -77,6 +79,30 @@ def test_bench_cycle_smoke(tmp_path):
     if te_stack:  # the hybrid slice (latent MoE, shared expert) runs on the TE stack only
         hybrid = {row["arm"]: row for row in report["slices"][1]["rows"]}
         assert all("note" not in row and row["logprob_diff"] < 1e-2 for row in hybrid.values())
+
+
+def test_bench_cycle_smoke_at_ep2_under_torchrun(tmp_path):
+    """--ep 2 on two CPU processes (gloo, allgather dispatcher): both arms run on every rank, with
+    4 of the tiny slice's 8 experts per rank, and their logprobs agree on every rank. Our adapters
+    and no profile: the run is the launch's imports (about 30 s on two cores)."""
+    run = torchrun(REPO / "benchmarks" / "bench_cycle.py", 2,
+                   ["--smoke", "--ep", "2", "--adapters", "ours", "--no-profile",
+                    "--out-dir", str(tmp_path)], tmp_path / "torchrun.log", timeout_s=180)
+    assert run.returncode == 0, run.output[-8000:]
+
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert any("EP=2" in line for line in report["header"])
+    assert any("128 tokens per rank and cycle, 2 rank(s)" in line for line in report["header"])
+    tiny = report["slices"][0]
+    assert tiny["label"] == "tiny, 2 MoE layers, EP=2"
+    assert "8 SwiGLU experts of 32, top-2 (softmax router), 4 per rank at EP=2" in tiny["header"][0]
+    rows = {row["arm"]: row for row in tiny["rows"] if "note" not in row}
+    assert set(rows) == {"sequential", "torch"}, tiny["rows"]
+    for row in rows.values():
+        assert len(row["cycles_ms"]) == 2 and all(math.isfinite(v) and v > 0
+                                                  for v in row["cycles_ms"]), row
+        assert row["tokens_per_s"] > 0 and "profile" not in row
+        assert row["logprob_diff"] < 1e-2, row  # the largest of the two ranks'
 
 
 def test_cycle_memory_replay_finds_what_is_alive_at_the_peak():

@@ -9,18 +9,16 @@ JSON each rank writes. scripts/gpu_distributed.sh runs the same workers on GPUs 
 """
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
+
+from torchrun_support import ROOT
+from torchrun_support import torchrun as launch_torchrun
 
 pytestmark = pytest.mark.distributed
 
-ROOT = Path(__file__).resolve().parents[1]
 WORKERS = ROOT / "tests" / "distributed"
 TIMEOUT_S = 240
 REFERENCE_TOL = 2e-2  # bf16 layer vs FP64 reference of the same bf16 weights and inputs
@@ -64,43 +62,14 @@ class Launch:
         return self.ranks
 
 
-def kill_launch(pid: int) -> None:
-    """Kill torchrun and its workers by pid: each worker runs in a session of its own, so killing
-    torchrun's process group would leave them running."""
-    try:
-        launcher = psutil.Process(pid)
-        processes = [*launcher.children(recursive=True), launcher]
-    except psutil.NoSuchProcess:
-        return
-    for process in processes:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(processes, timeout=30)
-
-
 def torchrun(worker: str, nproc: int, args: list, out: Path) -> Launch:
-    """`python -m torch.distributed.run --standalone` (it picks a free port), CPU only, killed with
-    its workers after TIMEOUT_S. Output goes to a file, which no leftover process can hold open."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", str(WORKERS / worker), "--out", str(out), *args]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
-           "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
-    out.mkdir(parents=True, exist_ok=True)
-    log = out / "torchrun.log"
-    with open(log, "w") as sink:
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
-        try:
-            proc.wait(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            kill_launch(proc.pid)
-            proc.wait()
-            pytest.fail(f"{' '.join(command[3:])} did not finish within {TIMEOUT_S} s (a hang?):\n"
-                        f"{log.read_text()[-8000:]}")
+    """One launch of a worker of tests/distributed/ on `nproc` CPU processes (torchrun_support),
+    each rank writing `out/rank{R}.json`."""
+    run = launch_torchrun(WORKERS / worker, nproc, ["--out", str(out), *args],
+                          out / "torchrun.log", TIMEOUT_S)
     ranks = [json.loads((out / f"rank{r}.json").read_text())
              for r in range(nproc) if (out / f"rank{r}.json").exists()]
-    return Launch(proc.returncode, log.read_text(), ranks, nproc)
+    return Launch(run.returncode, run.output, ranks, nproc)
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -162,6 +131,24 @@ def test_alltoall_dispatcher(layout):
     assert any(row["dispatcher"] == "alltoall" for rank in ranks for row in rank["parity"])
 
 
+TE_SKIP_REASONS = ("Transformer Engine is not importable", "TEGroupedMLP runs on CUDA only")
+
+
+def skip_te_checks(ranks, rows: str):
+    """These CPU launches build no TEGroupedMLP (it needs TE on CUDA: scripts/gpu_distributed.sh
+    runs those checks): every rank reports them skipped with the reason and no `rows`; the test
+    is skipped with that reason."""
+    reasons = {rank["te_skipped"] for rank in ranks}
+    assert len(reasons) == 1 and next(iter(reasons)).startswith(TE_SKIP_REASONS), reasons
+    assert all(rank[rows] == [] for rank in ranks)
+    pytest.skip(f"TEGroupedMLP: {reasons.pop()}")
+
+
+def test_te_spec_layer_against_te_grouped_mlp(layout):
+    name, launch = layout
+    skip_te_checks(launch.results(), "te_parity")
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     return torchrun("checkpoint_roundtrip.py", 2, [], tmp_path_factory.mktemp("checkpoints"))
@@ -183,3 +170,7 @@ def test_checkpoints_load_both_ways_across_layouts(checkpoints):
             assert row["weights_equal"], where
             if row["target"].startswith("torch@"):
                 assert row["packed_views"], f"{where}: weights no longer view the packed buffer"
+
+
+def test_te_checkpoint_round_trip(checkpoints):
+    skip_te_checks(checkpoints.results(), "te_round_trips")

@@ -2,10 +2,6 @@
 targeting and freezing, adapter-only checkpoints, and argument errors."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +19,7 @@ from mcore_torch_experts.lora import (
 )
 from mcore_torch_experts.model import build_gpt_model
 from reference import make_config, rel_err
+from torchrun_support import ROOT, torchrun
 
 IN, OUT, RANK, ALPHA, EXPERTS = 32, 48, 8, 16.0, 4
 TOL = {torch.bfloat16: 3e-2, torch.float32: 1e-5}
@@ -371,18 +368,14 @@ def test_a_second_call_keeps_the_first_calls_adapters_training(megatron_cpu_trai
 
 
 @pytest.mark.distributed
-def test_tensor_parallel_layout_matches_the_unsharded_model():
+def test_tensor_parallel_layout_matches_the_unsharded_model(tmp_path):
     """TP=2 on two gloo processes: a column-parallel and a row-parallel base with adapters give
     the unsharded model's output and gradients, on both ranks (replicated factors included)."""
-    root = Path(__file__).parents[1]
-    script = root / "tests" / "distributed" / "lora_tensor_parallel.py"
-    child = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(script)],
-        cwd=root, capture_output=True, text=True, timeout=240,
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
-             "PYTHONWARNINGS": "ignore"})
-    assert child.returncode == 0, child.stderr[-4000:]
-    reports = json.loads(child.stdout.strip().splitlines()[-1])  # one per rank
+    run = torchrun(ROOT / "tests" / "distributed" / "lora_tensor_parallel.py", 2, [],
+                   tmp_path / "torchrun.log", timeout_s=240)
+    assert run.returncode == 0, run.output[-4000:]
+    # rank 0's one JSON line: a report per rank
+    reports = json.loads(next(line for line in reversed(run.output.splitlines())
+                              if line.startswith("[{")))
     for report in reports:
         assert all(err < 1e-12 for err in report.values()), report

@@ -1,5 +1,6 @@
 """What the torchrun workers share: process setup, the global expert weights and their shards,
-MoE layers built from the package's spec, and an FP64 reference of the whole MoE layer.
+MoE layers built from the package's specs (local, or Transformer Engine's where it runs), and an
+FP64 reference of the whole MoE layer.
 
 Every rank builds the same global weights from a seed and installs its own shard, so any rank can
 compute the one-process answer for any token: the reference needs no communication and none of
@@ -7,6 +8,7 @@ the package's code.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -116,12 +118,45 @@ def moe_config(backend: str, sizes: Sizes, device: str, *, tp=1, ep=1, etp=1, sp
     return TorchExpertsTransformerConfig(**fields)
 
 
-def moe_layer(config, pg, device):
-    """The MoE layer of the package's reference GPT layer spec (experts follow the flag)."""
-    from mcore_torch_experts import build_moe_layer
+def moe_layer(config, pg, device, te_spec=False):
+    """The MoE layer of the package's reference GPT layer spec, the local one or (te_spec)
+    Transformer Engine's; the experts follow the flag."""
+    from mcore_torch_experts import _compat, build_moe_layer, specs
 
     torch.manual_seed(0)
+    if te_spec:
+        mlp = specs.get_gpt_layer_with_transformer_engine_spec(config).submodules.mlp
+        return _compat.build_moe_layer(mlp, config, pg_collection=pg).to(device)
     return build_moe_layer(config, pg_collection=pg).to(device)
+
+
+# experts: (moe_expert_gemm_backend, moe_grouped_gemm, built from the TE layer spec, the class)
+EXPERTS = {
+    "torch": ("torch", True, False, "TorchGroupedMLP"),
+    "sequential": ("transformer_engine", False, False, "SequentialMLP"),
+    "te": ("transformer_engine", True, True, "TEGroupedMLP"),
+    "torch-te": ("torch", True, True, "TorchGroupedMLP"),  # in the TE spec's layer
+}
+
+
+def experts_layer(experts: str, sizes: "Sizes", pg, device: torch.device, **fields):
+    """The MoE layer with these experts (EXPERTS); `fields` go to moe_config (parallel sizes,
+    dispatcher, overrides)."""
+    backend, grouped, te_spec, name = EXPERTS[experts]
+    config = moe_config(backend, sizes, device.type, moe_grouped_gemm=grouped, **fields)
+    layer = moe_layer(config, pg, device, te_spec=te_spec)
+    assert type(layer.experts).__name__ == name, (experts, type(layer.experts))
+    return layer
+
+
+def te_unavailable(device: str):
+    """Why this launch cannot build TEGroupedMLP (the "te" and "torch-te" experts), or None."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return ("Transformer Engine is not importable (scripts/gpu_distributed.sh runs the "
+                "TEGroupedMLP checks on GPUs with TE installed)")
+    if device != "cuda":
+        return "TEGroupedMLP runs on CUDA only and this launch is --device cpu"
+    return None
 
 
 # --- global weights and their shards -----------------------------------------------------------
@@ -215,25 +250,43 @@ def reference_moe(x: torch.Tensor, grad_out: torch.Tensor, weights: GlobalWeight
     return out.detach().reshape(x.shape), x64.grad.reshape(x.shape)
 
 
+# parity rows: (result key, the other experts, their short name in the table, the block's title)
+PARITY_BLOCKS = (("parity", "sequential", "seq", "TorchGroupedMLP vs SequentialMLP"),
+                 ("te_parity", "te", "TE", "TE spec: TorchGroupedMLP vs TEGroupedMLP"))
+
+
 def parity_table(ranks: list) -> str:
-    """One line per (layout, dispatcher, case): the worst relative L2 error over ranks."""
-    columns = ("out_vs_sequential", "grad_vs_sequential", "out_vs_reference", "grad_vs_reference")
-    worst = {}
-    for rank in ranks:
-        for row in rank["parity"]:
-            line = worst.setdefault((rank["layout"], row["dispatcher"], row["case"]),
-                                    dict.fromkeys(columns, 0.0))
-            for name in columns:
-                line[name] = max(line[name], row[name])
-    lines = [f"{'layout':<16} {'dispatcher':<10} {'case':<13} {'out/seq':>9} {'grad/seq':>9} "
-             f"{'out/ref':>9} {'grad/ref':>9}   max relative L2 error over ranks"]
-    lines += [f"{layout:<16} {dispatcher:<10} {case:<13} "
-              + " ".join(f"{line[name]:9.2e}" for name in columns)
-              for (layout, dispatcher, case), line in worst.items()]
+    """One line per (layout, dispatcher, case) of each block (TorchGroupedMLP against
+    SequentialMLP; in the TE spec's layer against TEGroupedMLP): the worst relative L2 error
+    over ranks; then what was skipped, and why."""
+    lines = []
+    for key, other, short, title in PARITY_BLOCKS:
+        columns = (f"out_vs_{other}", f"grad_vs_{other}", "out_vs_reference",
+                   "grad_vs_reference", f"{other}_out_vs_reference", f"{other}_grad_vs_reference")
+        worst = {}
+        for rank in ranks:
+            for row in rank[key]:
+                line = worst.setdefault((rank["layout"], row["dispatcher"], row["case"]),
+                                        dict.fromkeys(columns, 0.0))
+                for name in columns:
+                    line[name] = max(line[name], row[name])
+        if not worst:
+            continue
+        heads = (f"out/{short}", f"grad/{short}", "out/ref", "grad/ref", f"{short} out/ref",
+                 f"{short} grad/ref")
+        lines += [f"{'layout':<16} {'dispatcher':<10} {'case':<13} "
+                  + " ".join(f"{h:>12}" for h in heads)
+                  + f"   {title}: max relative L2 error over ranks"]
+        lines += [f"{layout:<16} {dispatcher:<10} {case:<13} "
+                  + " ".join(f"{line[name]:12.2e}" for name in columns)
+                  for (layout, dispatcher, case), line in worst.items()]
     skipped = {(rank["layout"], skip["dispatcher"], skip["reason"])
                for rank in ranks for skip in rank["skipped"]}
     lines += [f"{layout:<16} {dispatcher:<10} skipped: {reason}"
               for layout, dispatcher, reason in sorted(skipped)]
+    te_skipped = {(rank["layout"], rank["te_skipped"]) for rank in ranks if rank["te_skipped"]}
+    lines += [f"{layout:<16} TEGroupedMLP skipped: {reason}"
+              for layout, reason in sorted(te_skipped)]
     return "\n".join(lines)
 
 
