@@ -338,6 +338,17 @@ def parse_slices(text: str, parser) -> list:
     return slices
 
 
+def add_batch_and_adapter_options(parser, micro_batches: int) -> None:
+    """The data, LoRA and optimizer options of a cycle (bench_cycle.py, cycle_memory.py)."""
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--micro-batches", type=int, default=micro_batches)
+    parser.add_argument("--rank", type=int, default=16, help="LoRA rank (a multiple of 8)")
+    parser.add_argument("--alpha", type=float, default=32.0)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--seed", type=int, default=1234)
+
+
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -361,12 +372,7 @@ def parse_args():
                              "variant of every arm)")
     parser.add_argument("--permute-fusion", action=argparse.BooleanOptionalAction, default=True,
                         help="TE's fused permute (TE stack only)")
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--rank", type=int, default=16, help="LoRA rank (a multiple of 8)")
-    parser.add_argument("--alpha", type=float, default=32.0)
-    parser.add_argument("--lr", type=float, default=1e-5)
+    add_batch_and_adapter_options(parser, micro_batches=4)
     parser.add_argument("--dispatcher", choices=["alltoall", "allgather"], default="alltoall")
     parser.add_argument("--ep", type=int, default=1, help="expert parallelism (under torchrun)")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up rounds")
@@ -376,7 +382,6 @@ def parse_args():
     parser.add_argument("--profile-max-layers", type=int, default=8,
                         help="profile only slices of at most this many MoE layers (parsing a "
                              "16-layer TE profile takes minutes)")
-    parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny slices (and the tiny hybrid on the TE stack), seq 32, 2 "
                              "micro-batches of 2, 2 measured rounds, per-expert adapters; on "
