@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The TE tests on the older megatron-core releases, on the H200 device machine: for each leg
+# (default 0.16.1 0.17.1 0.18.2) its megatron-core wheel from .whl-legs/ goes into its own
+# /tmp/site-LEG, and the TE test files plus the CUDA-host and model files run there with
+# Transformer Engine 2.20.2 importable, the legs side by side (pytest-xdist, 4 workers each).
+# megatron-bridge 0.6.2 needs megatron-core 0.19, so Bridge's tests skip on these legs, saying so.
+#
+# .whl-legs/ (git-ignored) holds the Python 3.12 wheels: bash scripts/gpu_te_legs.sh --fetch
+# fills it here (pip download, about 6 MB). On the device, after TE's five copy calls
+# (../shared/te-h200/README.md), carrying .te/w, .te/install.sh, .te/cu13.md5,
+# .te/transformer_engine_torch-2.20.2.tar.gz and .whl-legs:
+#   bash .te/install.sh && bash scripts/gpu_te_legs.sh OUT_DIR [LEGS] [-- pytest files]
+# LEG_TIMEOUT (default 420 s) bounds each leg. Prints one summary line per leg; exits non-zero
+# when a leg fails.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ "${1:-}" = --fetch ]; then
+  source scripts/legs.sh
+  python312=$(find_python 3.12)
+  [ -n "$python312" ] || { echo "gpu_te_legs --fetch: no Python 3.12 here"; exit 1; }
+  mkdir -p .whl-legs
+  for leg in 0.16.1 0.17.1 0.18.2; do
+    "$python312" -m pip download -q --no-deps --only-binary :all: --python-version 3.12 \
+      --platform manylinux_2_28_x86_64 -d .whl-legs "megatron-core==$leg" || exit 1
+  done
+  ls .whl-legs
+  exit 0
+fi
+out="${1:?usage: scripts/gpu_te_legs.sh OUT_DIR [LEGS] [-- pytest files] | --fetch}"
+shift
+legs=()
+while [ $# -gt 0 ] && [ "$1" != -- ]; do legs+=("$1"); shift; done
+[ "${1:-}" = -- ] && shift
+[ ${#legs[@]} -gt 0 ] || legs=(0.16.1 0.17.1 0.18.2)
+files=("$@")
+[ ${#files[@]} -gt 0 ] || files=(tests/test_te_lora.py tests/test_te_parity.py tests/test_te_convert.py
+  tests/test_te_fusions.py tests/test_te_hybrid.py tests/test_cuda_host.py tests/test_gpu.py
+  tests/test_specs.py tests/test_convert.py tests/test_lora.py tests/test_recompute.py
+  tests/test_hybrid.py tests/test_experts.py tests/test_checkpoint.py
+  tests/test_fp32_combine_layer.py)
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python3 -c "import transformer_engine as te; print('Transformer Engine', te.__version__)" \
+  2>/dev/null | tail -n 1 | grep -q "Transformer Engine" \
+  || { echo "gpu_te_legs: Transformer Engine does not import (run .te/install.sh first)"; exit 1; }
+for leg in "${legs[@]}"; do
+  wheel=$(ls .whl-legs/megatron_core-"$leg"-*.whl 2>/dev/null | head -n 1)
+  [ -n "$wheel" ] || { echo "gpu_te_legs: no megatron-core $leg wheel in .whl-legs (--fetch)"; exit 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "/tmp/site-$leg" "$wheel" || exit 1
+done
+pids=()
+for leg in "${legs[@]}"; do
+  (
+    export PYTHONPATH="/tmp/te/site:/tmp/site-$leg:$PWD"
+    python3 -W ignore -c "import megatron.core as m, transformer_engine as te, torch; \
+print(f'[te leg {m.__version__}] torch {torch.__version__}, Transformer Engine {te.__version__}')"
+    timeout "${LEG_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -rs -n 4 \
+      --dist loadfile --junitxml="$out/junit-$leg.xml" "${files[@]}"
+  ) > "$out/te_leg_$leg.log" 2>&1 &
+  pids+=($!)
+done
+status=0
+for i in "${!legs[@]}"; do
+  wait "${pids[$i]}"
+  rc=$?
+  [ "$rc" -eq 0 ] || status=1
+  leg=${legs[$i]}
+  grep -E "^FAILED|^ERROR" "$out/te_leg_$leg.log" | head -n 20
+  line=$(grep -E "^=*\s*[0-9]+ (passed|failed|error)" "$out/te_leg_$leg.log" | tail -n 1 \
+    | sed -E 's/=+//g; s/^ +| +$//g')
+  echo "gpu_te_legs: megatron-core $leg with TE: ${line:-no summary} (exit $rc)"
+done
+exit "$status"
