@@ -135,7 +135,7 @@ def make_config(model: ModelSlice, layers: int, stack: str, args, device):
         attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
         use_cpu_initialization=device.type == "cpu", recompute_granularity="full",
         recompute_method="uniform", recompute_num_layers=1,
-        **({"moe_latent_size": model.latent} if model.latent else {}))  # latent slices (0.19+)
+        **({"moe_latent_size": model.latent} if model.latent else {}))  # latent slices
 
 
 def seed_all(seed: int) -> None:
@@ -162,9 +162,15 @@ def build_base(model: ModelSlice, layers: int, config, stack: str, args, device)
         raise NotAvailable("not available: the hybrid slice is built from Megatron's hybrid "
                            "stack spec, which needs Transformer Engine (use a GPT slice)")
     model_class = _compat.hybrid_model_class()
-    built = model_class(config=config, hybrid_stack_spec=_compat.megatron_hybrid_stack_spec(),
-                        vocab_size=model.vocab, max_sequence_length=args.seq, **position,
-                        **{_compat.hybrid_pattern_kwarg(model_class): "*E" * layers})
+    if model_class.__name__ != "HybridModel":
+        raise NotAvailable("not available: the hybrid slice needs megatron-core 0.18+ (before it "
+                           "MambaStack runs no full recompute, so the cycle would not be the one "
+                           "measured here; use a GPT slice)")
+    built = model_class(config=config, vocab_size=model.vocab, max_sequence_length=args.seq,
+                        **position,
+                        **{_compat.hybrid_stack_spec_kwarg(model_class):
+                           _compat.megatron_hybrid_stack_spec(),
+                           _compat.hybrid_pattern_kwarg(model_class): "*E" * layers})
     install_frozen_input_guard(built)
     return built.to(device)
 

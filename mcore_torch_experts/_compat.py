@@ -99,6 +99,13 @@ def hybrid_model_class():
     return HybridModel
 
 
+def hybrid_stack_spec_kwarg(model_class) -> str:
+    """The constructor argument that takes the stack spec: `hybrid_stack_spec` from 0.18,
+    `mamba_stack_spec` (MambaModel) before it."""
+    params = inspect.signature(model_class).parameters
+    return "hybrid_stack_spec" if "hybrid_stack_spec" in params else "mamba_stack_spec"
+
+
 def hybrid_pattern_kwarg(model_class) -> str:
     """The constructor argument that takes the layer pattern ("*E*E": attention, MoE, ...):
     `hybrid_layer_pattern` from 0.18 (`hybrid_override_pattern` is deprecated there)."""

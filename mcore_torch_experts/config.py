@@ -56,7 +56,7 @@ REFUSED_WHEN_SET = {
     "moe_single_grouped_weight": "TorchGroupedMLP keeps one Parameter per expert "
                                  "(linear_fc*.weightN); set moe_single_grouped_weight=False.",  # 0.18+
     "moe_paged_stash": "TorchGroupedMLP saves what its backward needs itself and keeps no "
-                       "paged stash; set moe_paged_stash=False.",  # 0.19+
+                       "paged stash; set moe_paged_stash=False.",  # 0.18+
     **{field: f"routing-map padding rounds expert segments up for FP8/FP4 experts; the torch "
               f"backend runs BF16 segments of any length. Set {field}=False."
        for field in ("moe_router_padding_for_quantization", "moe_router_padding_for_fp8")},

@@ -4,6 +4,7 @@ modules computes what the same model with SequentialMLP computes, and its adapte
 full recompute with a frozen embedding."""
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -28,10 +29,10 @@ def local_final_norm(monkeypatch):
     """Test-only patch: HybridStack builds its final norm as TENorm whatever its spec says, and
     TENorm raises without Transformer Engine. Megatron's own WrappedTorchNorm (the local specs'
     norm, same RMSNorm math) stands in for it. The code under test is not patched."""
-    from megatron.core.models.hybrid import hybrid_block
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    monkeypatch.setattr(hybrid_block, "TENorm", WrappedTorchNorm)
+    hybrid_stack_class = _compat.recompute_block_classes()[1]  # HybridStack (MambaStack < 0.18)
+    monkeypatch.setattr(sys.modules[hybrid_stack_class.__module__], "TENorm", WrappedTorchNorm)
 
 
 def experts_class(layer_spec):
@@ -93,7 +94,6 @@ def local_hybrid_stack_spec():
         megatron_spec.submodules, attention_layer=attention, moe_layer=moe))
 
 
-@needs_hybrid_recompute
 def test_hybrid_model_matches_the_sequential_mlp_model(megatron_cpu, local_final_norm):
     ours_config = hybrid_config(moe_expert_gemm_backend="torch", moe_grouped_gemm=True)
     ours = hybrid_model(ours_config, specs.get_hybrid_stack_spec(ours_config,

@@ -73,9 +73,10 @@ def hybrid_model(config, stack_spec, seed=0):
     """A HybridModel (MambaModel before 0.18) of HYBRID_PATTERN's layers from `stack_spec`."""
     model_class = _compat.hybrid_model_class()
     torch.manual_seed(seed)
-    return model_class(config=config, hybrid_stack_spec=stack_spec, vocab_size=VOCAB,
-                       max_sequence_length=SEQ, position_embedding_type="rope",
-                       **{_compat.hybrid_pattern_kwarg(model_class): HYBRID_PATTERN})
+    return model_class(config=config, vocab_size=VOCAB, max_sequence_length=SEQ,
+                       position_embedding_type="rope",
+                       **{_compat.hybrid_stack_spec_kwarg(model_class): stack_spec,
+                          _compat.hybrid_pattern_kwarg(model_class): HYBRID_PATTERN})
 
 
 def experts_modules(model) -> list:
