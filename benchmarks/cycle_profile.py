@@ -27,6 +27,7 @@ EVALUATE = "autograd::engine::evaluate_function: "
 DISPATCH_METHODS = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess")
 COMBINE_METHODS = ("combine_preprocess", "token_combine", "combine_postprocess")
 TOP_KERNELS = 4  # expert GEMM kernel names kept per arm (which GEMM library ran)
+UNCLAIMED = "(device time of no profiled op)"
 
 
 def is_adapter_wrapper(module) -> bool:
@@ -127,7 +128,8 @@ def _is_backward_node(event) -> bool:
 def classify(events, cuda: bool):
     """{component: µs} of the profiled ops' own GPU time (kernels they launched; on the CPU their
     own CPU time), the recompute's µs by the component it re-runs, the total device time of the
-    profile (None on the CPU) and {kernel name: µs} of the expert GEMMs' kernels."""
+    profile (None on the CPU), {kernel name: µs} of the expert GEMMs' kernels and {source: µs}
+    of what went to `other` (a backward node without a forward op, or the op's own name)."""
     from torch.autograd import DeviceType
 
     cpu_events = [e for e in events if e.device_type == DeviceType.CPU]
@@ -137,7 +139,7 @@ def classify(events, cuda: bool):
             forward.setdefault((event.thread, event.sequence_nr),
                                _innermost_range(_ancestors(event)))
     totals, recompute = dict.fromkeys(COMPONENTS, 0.0), dict.fromkeys(COMPONENTS, 0.0)
-    gemm_kernels = collections.Counter()
+    gemm_kernels, other_sources = collections.Counter(), collections.Counter()
     for event in cpu_events:
         if getattr(event, "is_user_annotation", False):
             continue  # a range: its device span holds its ops' kernels, counted with those ops
@@ -159,6 +161,8 @@ def classify(events, cuda: bool):
         else:
             component = forward.get((node.fwd_thread, node.sequence_nr), OTHER)
         totals[component] += own
+        if component == OTHER:
+            other_sources[node.name[len(EVALUATE):] if node is not None else event.name] += own
         if GEMMS in (component, _innermost_range(chain)):
             for kernel in kernels:
                 gemm_kernels[kernel.name] += kernel.duration
@@ -166,7 +170,7 @@ def classify(events, cuda: bool):
                         if e.device_type == DeviceType.CUDA
                         and not getattr(e, "is_user_annotation", False)
                         and not e.name.startswith(RANGE)) if cuda else None)
-    return totals, recompute, device_total, gemm_kernels
+    return totals, recompute, device_total, gemm_kernels, other_sources
 
 
 def profile_update(cycle, update_ms: float, device) -> dict:
@@ -181,10 +185,12 @@ def profile_update(cycle, update_ms: float, device) -> dict:
         cycle.update_pass()
         sync(device)
     started = time.perf_counter()
-    totals, recompute, device_total, gemm_kernels = classify(prof.events(), device.type == "cuda")
+    totals, recompute, device_total, gemm_kernels, other_sources = classify(
+        prof.events(), device.type == "cuda")
     attributed = sum(totals.values())
     if device_total is not None:  # device time no op claimed (e.g. kernels launched elsewhere)
         totals[OTHER] += max(0.0, device_total - attributed)
+        other_sources[UNCLAIMED] += max(0.0, device_total - attributed)
     busy_ms = (device_total if device_total is not None else attributed) / 1e3
     ms = {k: v / 1e3 for k, v in totals.items()}
     ms[IDLE] = max(0.0, update_ms - busy_ms) if device.type == "cuda" else 0.0
@@ -192,7 +198,9 @@ def profile_update(cycle, update_ms: float, device) -> dict:
     return {"ms": ms, "recompute_ms": {k: v / 1e3 for k, v in recompute.items()},
             "busy_ms": busy_ms, "idle_measured": device.type == "cuda",
             "gemm_kernels": [[name[:90], us / 1e3] for name, us in
-                             gemm_kernels.most_common(TOP_KERNELS)]}
+                             gemm_kernels.most_common(TOP_KERNELS)],
+            "other_sources": [[name[:90], us / 1e3] for name, us in
+                              other_sources.most_common(TOP_KERNELS) if us > 0]}
 
 
 def breakdown_table(rows) -> list:
@@ -214,11 +222,12 @@ def breakdown_table(rows) -> list:
     return markdown_table(headers, lines)
 
 
-def kernel_lines(rows) -> list:
-    """Markdown bullets: each profiled arm's main expert GEMM kernels (ms in the update pass)."""
+def kernel_lines(rows, key="gemm_kernels") -> list:
+    """Markdown bullets: each profiled arm's main entries of `key` (ms in the update pass):
+    "gemm_kernels", the expert GEMMs' kernels, or "other_sources", what went to `other`."""
     return [f"- {r['module']}: " + "; ".join(f"`{name}` {ms:.1f} ms"
-                                             for name, ms in r["profile"]["gemm_kernels"])
-            for r in rows if r.get("profile", {}).get("gemm_kernels")]
+                                             for name, ms in r["profile"][key])
+            for r in rows if r.get("profile", {}).get(key)]
 
 
 def plot_breakdown(rows, path, title) -> bool:

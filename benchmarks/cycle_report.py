@@ -118,6 +118,11 @@ def slice_report(result, out_dir) -> tuple:
         if kernels:
             lines += ["Main expert GEMM kernels (GPU ms in the profiled update pass):", ""]
             lines += kernels + [""]
+        sources = cp.kernel_lines(labelled, "other_sources")
+        if sources:
+            lines += ["What went to `other` (GPU ms; a backward node there is one whose forward op "
+                      "the profile did not record):", ""]
+            lines += sources + [""]
         name = f"breakdown-{result['slice']}-{result['layers']}.png"
         if cp.plot_breakdown(labelled, out_dir / name, f"update pass: {result['label']}"):
             plot = name

@@ -73,6 +73,8 @@ def test_bench_cycle_smoke(tmp_path):
         assert len(row["cycles_ms"]) == 2  # the measured rounds
         shares = row["profile"]["ms"]
         assert sum(shares.values()) > 0 and shares["expert GEMMs"] > 0 and shares["adapters"] > 0
+        # What `other` holds, by source: its largest parts, never more than it.
+        assert sum(ms for _, ms in row["profile"]["other_sources"]) <= shares["other"] + 1e-9
         # Same weights, adapters and data: the arms' log-probabilities agree (BF16 rounding).
         assert row["logprob_diff"] < 1e-2, row
     assert (tmp_path / "breakdown-tiny-2.png").stat().st_size > 0
