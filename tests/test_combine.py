@@ -1,7 +1,8 @@
 """fp32_combine: exactness against an FP64 reference, chunked == single-shot, the fused Triton
-kernel (run by the Triton interpreter on the CPU), input checks, the chunk-size env var, and the
-forward / backward memory bound."""
+kernel (compiled on a CUDA host, else run by the Triton interpreter on the CPU), input checks,
+the chunk-size env var, and the forward / backward memory bound."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -18,7 +19,7 @@ from mcore_torch_experts.combine import (
     chunk_rows_from_env,
     fp32_combine,
 )
-from triton_interpreter import ROOT, run_interpreted
+from triton_interpreter import ROOT, interpreter_is_on, run_interpreted
 
 FP32_UNIT_ROUNDOFF = 2.0 ** -24
 BF16_RTNE_REL_ERR = 2.0 ** -8  # round to nearest: half a bf16 ulp (8 significant bits)
@@ -29,12 +30,12 @@ EMPTY_TOKEN, SHORT_TOKEN = 2, 5  # token 2 keeps no rows (all dropped), token 5 
 
 
 def routed_rows(with_probs=True, seed=0):
-    """A top-k routing with dropped rows, rows in expert-sorted order.
+    """A top-k routing with dropped rows, rows in expert-sorted order, on the default device.
 
     Returns expert_out bf16 [N, HIDDEN], token_ids int64 [N], probs fp32 [N] or None, grad_y
     fp32 [NUM_TOKENS, HIDDEN]. Values span several binades so rounding shows.
     """
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(seed)
     num_experts = 8
     experts = torch.rand(NUM_TOKENS, num_experts, generator=gen).argsort(dim=1)[:, :TOP_K]
     token_ids = torch.arange(NUM_TOKENS).repeat_interleave(TOP_K)
@@ -71,7 +72,13 @@ def run_combine(expert_out, token_ids, probs, grad_y, **options):
 
 
 def bf16_cast_rel_err(options):
-    return BF16_TRUNC_REL_ERR if options["backend"] == "triton" else BF16_RTNE_REL_ERR
+    """The Triton interpreter truncates fp32 -> bf16; torch and the compiled kernel round."""
+    if options["backend"] == "triton":
+        from mcore_torch_experts import combine_triton
+
+        if combine_triton.kernels_are_interpreted():
+            return BF16_TRUNC_REL_ERR
+    return BF16_RTNE_REL_ERR
 
 
 def assert_within(actual, reference, bound):
@@ -102,10 +109,16 @@ COMBINE_OPTIONS = {
 
 @pytest.fixture(params=list(COMBINE_OPTIONS))
 def options(request):
-    """fp32_combine keyword arguments for each backend; the triton one runs interpreted."""
-    if request.param == "triton":
+    """fp32_combine keyword arguments for each backend. The triton one runs compiled on a CUDA
+    host (CUDA is the default device for the test's tensors), else interpreted on the CPU."""
+    compiled = (request.param == "triton" and torch.cuda.is_available()
+                and not interpreter_is_on())
+    if compiled:
+        pytest.importorskip("triton", reason="triton is not installed: the fused kernel is untested")
+    elif request.param == "triton":
         request.getfixturevalue("interpreted_triton")
-    return COMBINE_OPTIONS[request.param]
+    with torch.device("cuda") if compiled else contextlib.nullcontext():
+        yield COMBINE_OPTIONS[request.param]
 
 
 # --- exactness ------------------------------------------------------------------------------------
@@ -302,7 +315,8 @@ def test_triton_tests_pass_under_the_interpreter():
     if combine_triton.kernels_are_interpreted():
         pytest.skip("this process already runs the triton tests under the interpreter")
     if torch.cuda.is_available():
-        pytest.skip("on a CUDA host this process runs the triton tests compiled, on the GPU")
+        pytest.skip("on a CUDA host this process runs the triton cases of the `options` tests "
+                    "compiled, on the GPU")
     child = run_interpreted(str(Path(__file__).resolve().relative_to(ROOT)), "-k", "triton", timeout=300)
     assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
     assert " passed" in child.stdout and " failed" not in child.stdout, child.stdout[-4000:]

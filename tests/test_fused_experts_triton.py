@@ -9,6 +9,7 @@ import torch
 
 from mcore_torch_experts import TorchGroupedMLP
 from mcore_torch_experts.kernel_choice import choose_expert_kernel
+from mcore_torch_experts.lora import LoRALinear, PerExpertLoRAAdapter
 from reference import fp64_experts, rel_err
 from reference import make_config as _make_config
 
@@ -155,6 +156,23 @@ def test_forced_fused_gemm_refuses_linears_with_hooks(megatron_cpu, hook):
             experts(x, [2, 2, 2, 2], torch.rand(8))
     finally:
         handle.remove()
+
+
+@pytest.mark.parametrize("linear", ["linear_fc1", "linear_fc2"])
+def test_forced_fused_gemm_refuses_linears_with_adapters(megatron_cpu, linear):
+    """The fused path would skip a LoRA adapter on either expert linear: a forced "fused_gemm"
+    refuses, on the CPU too (the adapter check comes before the device check)."""
+    pytest.importorskip("triton")
+    config = make_config(activation="squared_relu", glu=False, moe_expert_kernel="fused_gemm")
+    experts = TorchGroupedMLP(config.num_moe_experts, config, pg_collection=megatron_cpu)
+    experts.requires_grad_(False)
+    base = getattr(experts, linear)
+    adapter = PerExpertLoRAAdapter(config.num_moe_experts, base.in_features, base.out_features,
+                                   8, 16.0, 0.0, torch.bfloat16, "cpu")
+    setattr(experts, linear, LoRALinear(base, adapter))
+    x = torch.randn(8, config.hidden_size).bfloat16()
+    with pytest.raises(RuntimeError, match="carry adapters or hooks"):
+        experts(x, [2, 2, 2, 2], torch.rand(8))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

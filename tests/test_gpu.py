@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mcore_torch_experts import TorchGroupedMLP
+from mcore_torch_experts.lora import LoRALinear, PerExpertLoRAAdapter
 from reference import copy_weights_to_sequential, fp64_experts, make_config, rel_err, sequential_mlp
 
 pytestmark = [pytest.mark.gpu,
@@ -246,19 +247,35 @@ def test_fused_gemm_no_sync_and_cuda_graph(megatron_world):
 
 
 def test_fused_gemm_forced_refuses_adapters(megatron_world):
-    """A forced fused path never skips an adapter: wrapped expert linears raise; "auto" takes
-    the grouped_mm path there."""
-    _, experts, _ = build_pair(megatron_world, activation="silu", glu=True)
+    """A forced fused path never skips an adapter: a LoRA-wrapped linear_fc1 raises; "auto" takes
+    the grouped_mm path there, which adds the adapter (FP64: fc1's weight plus alpha / rank x B A
+    per expert)."""
+    config, experts, _ = build_pair(megatron_world, activation="silu", glu=True)
+    fc1, fc2 = experts.linear_fc1.packed_weight, experts.linear_fc2.packed_weight
+    rank, alpha = 8, 16.0
+    adapter = PerExpertLoRAAdapter(EXPERTS, HIDDEN, 2 * FFN, rank, alpha, 0.0, torch.bfloat16,
+                                   "cuda")
+    with torch.no_grad():
+        adapter.linear_out.weight.normal_(std=0.02)  # B starts at zero
+    splits = SPLITS["skewed"]
+    rows = sum(splits)
+    x = torch.randn(rows, HIDDEN, device="cuda").bfloat16()
+    probs = torch.rand(rows, device="cuda")
+    device_splits = torch.tensor(splits, device="cuda")
+    _with_kernel(experts, "grouped_mm")
+    without_adapter, _ = experts(x, device_splits, probs)
+    experts.linear_fc1 = LoRALinear(experts.linear_fc1, adapter)
     _with_kernel(experts, "fused_gemm")
-    handle = experts.linear_fc1.register_forward_hook(lambda *args: None)
-    x = torch.randn(8, HIDDEN, device="cuda").bfloat16()
-    splits = torch.tensor([1] * EXPERTS, device="cuda")
-    with pytest.raises(RuntimeError, match="moe_expert_kernel='fused_gemm'"):
-        experts(x, splits, torch.rand(8, device="cuda"))
+    with pytest.raises(RuntimeError, match="carry adapters or hooks"):
+        experts(x, device_splits, probs)
     experts.expert_kernel_setting = "auto"
-    out, _ = experts(x, splits, torch.rand(8, device="cuda"))
-    handle.remove()
-    assert out.shape == (8, HIDDEN)
+    out, _ = experts(x, device_splits, probs)
+    a, b = (factor.weight.detach().double() for factor in (adapter.linear_in, adapter.linear_out))
+    ref = fp64_experts(config, fc1.double() + b @ a * (alpha / rank), fc2, x, splits, probs)
+    print(f"\n[cuda fused gemm, adapter] auto vs fp64={rel_err(out, ref):.2e} "
+          f"without adapter vs fp64={rel_err(without_adapter, ref):.2e}")
+    assert rel_err(out, ref) < 1e-2
+    assert rel_err(without_adapter, ref) > 0.1
 
 
 def test_auto_kernel_choice(megatron_world):

@@ -17,6 +17,8 @@ import pytest
 import torch
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoESubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mcore_torch_experts import TorchExpertsConfigError, TorchGroupedMLP, _compat, specs
 from bridge_support import import_bridge_peft, run_worker
@@ -25,22 +27,18 @@ from test_specs import GRAD_TOL, LOGITS_TOL, experts_class, mlp_kinds, plain_con
 from tiny_gpt import forward_backward, freeze_experts, gpt, sequential_to_grouped
 
 
-def megatron_block_with_torch_experts(config, use_transformer_engine):
-    """The independent expectation: Megatron's own block spec for `config`, with only the MoE
-    experts entry replaced by TorchGroupedMLP's spec."""
-    block = gpt_layer_specs.get_gpt_decoder_block_spec(
-        config, use_transformer_engine, normalization=config.normalization,
-        qk_l2_norm=config.qk_l2_norm)
-    layers = []
-    for layer in block.layer_specs:
-        mlp = layer.submodules.mlp
-        if _compat.is_moe_mlp_spec(mlp):
-            moe = dataclasses.replace(_compat.moe_submodules(mlp),
-                                      experts=specs.torch_experts_spec())
-            layer = dataclasses.replace(layer, submodules=dataclasses.replace(
-                layer.submodules, mlp=_compat.with_moe_submodules(mlp, moe)))
-        layers.append(layer)
-    return dataclasses.replace(block, layer_specs=layers)
+def with_torch_experts_in_moe_layers(structure):
+    """The independent expectation, made on plain data (spec_structure) without the package's
+    spec helpers: every MoESubmodules' `experts` entry replaced by TorchGroupedMLP's spec, all
+    else as given."""
+    if isinstance(structure, tuple) and structure and structure[0] is MoESubmodules:
+        experts = spec_structure(ModuleSpec(module=TorchGroupedMLP))
+        return (MoESubmodules, {**structure[1], "experts": experts})
+    if isinstance(structure, (tuple, list)):
+        return type(structure)(map(with_torch_experts_in_moe_layers, structure))
+    if isinstance(structure, dict):
+        return {k: with_torch_experts_in_moe_layers(v) for k, v in structure.items()}
+    return structure
 
 
 @pytest.mark.parametrize("impl", ["local", "transformer_engine"])
@@ -50,11 +48,14 @@ def test_gpt_spec_without_the_backend_field_is_megatrons_block_with_torch_expert
     assert not hasattr(config, "moe_expert_gemm_backend")
     use_te = impl == "transformer_engine"
     try:  # TE or local modules, as transformer_impl asked: Megatron's own choice for it
-        megatron = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_te)
+        megatron = gpt_layer_specs.get_gpt_decoder_block_spec(
+            config, use_te, normalization=config.normalization, qk_l2_norm=config.qk_l2_norm)
     except (NameError, TypeError) as error:  # its TE spec without Transformer Engine
         pytest.skip(f"Megatron's own TE block spec cannot be built here: {error}")
     ours = specs.torch_experts_gpt_spec(config)
-    assert spec_structure(ours) == spec_structure(megatron_block_with_torch_experts(config, use_te))
+    expected = with_torch_experts_in_moe_layers(spec_structure(megatron))
+    assert expected != spec_structure(megatron)  # Megatron's block has MoE layers
+    assert spec_structure(ours) == expected
     assert [experts_class(s) for s in ours.layer_specs[1:]] == [TorchGroupedMLP, TorchGroupedMLP]
     assert ours.layer_specs[0].submodules.self_attention.submodules.linear_qkv is \
         megatron.layer_specs[0].submodules.self_attention.submodules.linear_qkv

@@ -166,7 +166,7 @@ def test_wrapper_gives_the_adapter_the_layer_norm_output_in_every_form(form):
     out, bias = wrapped(x)
     ln = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * base.norm.weight
     expected = ln @ base.weight.T + ln @ adapter.linear_in.weight.T @ adapter.linear_out.weight.T \
-        * adapter.scale
+        * (ALPHA / RANK)
     assert bias is None
     torch.testing.assert_close(out, expected)
 

@@ -83,17 +83,23 @@ def test_fusion_with_torch_grouped_mlp(te_world, fusion, dispatcher):
 @pytest.mark.parametrize("dispatcher", DISPATCHERS)
 @pytest.mark.parametrize("fusion", list(FUSIONS))
 def test_fusion_with_fp32_combine(te_world, fusion, dispatcher):
+    """use_fused_weighted_squared_relu is read by Megatron's experts only: `fused` and `plain`
+    run the same code for it, and TEGroupedMLP with the fusion is the check that can fail."""
     setting, model_fields = FUSIONS[fusion]
-    fields = dict(moe_token_dispatcher_type=dispatcher, moe_expert_gemm_backend="torch",
-                  moe_combine_in_fp32=True, **model_fields)
-    plain = run(te_config(**fields))
-    fused = run(te_config(**fields, **setting), plain[0].state_dict())
+    fields = dict(moe_token_dispatcher_type=dispatcher, **model_fields)
+    ours = dict(moe_expert_gemm_backend="torch", moe_combine_in_fp32=True, **fields)
+    plain = run(te_config(**ours))
+    state = plain[0].state_dict()
+
+    fused = run(te_config(**ours, **setting), state)
+    theirs = run(te_config(**fields, **setting), state)  # TEGroupedMLP with the same setting
 
     combine = "combine_preprocess" if dispatcher == "allgather" else "combine_postprocess"
     for layer in moe_layers(fused[0]):
         assert type(layer) is FP32CombineMoELayer
         assert "route_unpermute_through" in getattr(layer.token_dispatcher, combine).__qualname__
     assert_close(fused, plain)
+    assert_close(fused, theirs)
 
 
 @pytest.mark.skipif("moe_latent_size" not in TransformerConfig.__dataclass_fields__,

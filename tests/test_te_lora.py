@@ -4,7 +4,7 @@ dense MLP, shared experts) and TEGroupedMLP's grouped linears (shared and per-ex
 
 Each wrapped module is run on its own, BF16 on CUDA. The reference is the same math with the
 adapter in FP64: the base's own output and input gradient (the base is TE's module, frozen) plus
-`scale * adapter_in @ A.T @ B.T`, where adapter_in is x, or for the LayerNorm linear the FP64
+`alpha / rank * adapter_in @ A.T @ B.T`, where adapter_in is x, or for the LayerNorm linear the FP64
 RMSNorm of x with the module's own norm weight. Forward, input gradient and both factors'
 gradients are compared."""
 
@@ -31,13 +31,14 @@ def fp64_rmsnorm(base, x64: torch.Tensor, config) -> torch.Tensor:
 
 
 def fp64_adapter(adapter, adapter_in64: torch.Tensor, splits, per_expert: bool):
-    """(out [.., out] float64, A64, B64): the adapter's math in FP64, factors as leaves."""
+    """(out [.., out] float64, A64, B64): the adapter's math in FP64 with the alpha / rank
+    apply_lora was given, factors as leaves."""
     a = adapter.linear_in.weight.detach().double().requires_grad_(True)
     b = adapter.linear_out.weight.detach().double().requires_grad_(True)
     if not per_expert:
-        return adapter_in64 @ a.T @ b.T * adapter.scale, a, b
+        return adapter_in64 @ a.T @ b.T * (ALPHA / RANK), a, b
     rows = adapter_in64.split(splits)
-    out = torch.cat([r @ a[e].T @ b[e].T for e, r in enumerate(rows)]) * adapter.scale
+    out = torch.cat([r @ a[e].T @ b[e].T for e, r in enumerate(rows)]) * (ALPHA / RANK)
     return out, a, b
 
 
