@@ -1,7 +1,8 @@
 """install_fp32_combine on NeMo Automodel's GroupedExperts (nemo-automodel 0.7.0, torch_mm experts):
-the shipped module's outputs and gradients bit for bit on the CPU (FP32 and BF16, frozen and
-trainable experts), the FP64 reference's to FP32 rounding, no full-size FP32 temporary in forward
-or backward (peak RSS), scoped to the modules given and undoable, and the refusals."""
+fp32_combine runs inside with the options given, the shipped module's outputs and gradients bit
+for bit on the CPU (FP32 and BF16, frozen and trainable experts), the FP64 reference's to FP32
+rounding, no full-size FP32 temporary in forward or backward (peak RSS), scoped to the modules
+given and undoable, and the refusals."""
 
 import json
 import os
@@ -26,11 +27,13 @@ from nemo_automodel.components.moe.config import MoEConfig  # noqa: E402
 from nemo_automodel.components.moe.experts import GroupedExperts, GroupedExpertsDeepEP  # noqa: E402
 from nemo_automodel.components.moe.layers import MoE  # noqa: E402
 
+from mcore_torch_experts import automodel  # noqa: E402
 from mcore_torch_experts.automodel import (  # noqa: E402
     AutomodelCombineError,
     install_fp32_combine,
     remove_combine,
 )
+from mcore_torch_experts.combine import fp32_combine  # noqa: E402
 
 from doc_snippets import DOCS, run_snippet  # noqa: E402
 
@@ -119,13 +122,24 @@ def fp64_reference(module, batch):
     return [y.detach()] + [leaf.grad for leaf in leaves]
 
 
+@pytest.fixture
+def combine_calls(monkeypatch):
+    """The options of every fp32_combine call an installed module makes: install_fp32_combine
+    binds the module's global fp32_combine when it is called, so this spy is what it installs."""
+    calls = []
+    monkeypatch.setattr(automodel, "fp32_combine",
+                        lambda *a, **k: calls.append(k) or fp32_combine(*a, **k))
+    return calls
+
+
 # --- same outputs and gradients as shipped -------------------------------------------------------
 
 @pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
 @pytest.mark.parametrize("expert_bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("chunk_rows", [0, 5], ids=["single-shot", "chunks-of-5"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_same_outputs_and_gradients_as_shipped_bitwise(dtype, chunk_rows, expert_bias, trainable):
+def test_same_outputs_and_gradients_as_shipped_bitwise(combine_calls, dtype, chunk_rows,
+                                                      expert_bias, trainable):
     """On the CPU scatter-add sums each token's rows in row order, and so does the torch combine,
     in chunks or not; its backward gathers the same FP32 gradient rows and casts them once."""
     module = grouped_experts(dtype, expert_bias=expert_bias)
@@ -134,16 +148,18 @@ def test_same_outputs_and_gradients_as_shipped_bitwise(dtype, chunk_rows, expert
     assert install_fp32_combine(module, chunk_rows=chunk_rows, backend="torch") == [""]
     inputs = [t.clone() for t in batch]
     combined = forward_backward(module, batch, trainable)
+    assert combine_calls == [dict(chunk_rows=chunk_rows, backend="torch")]
     assert_bitwise(shipped, combined)
     assert all(torch.equal(a, b) for a, b in zip(inputs, batch))  # inputs never modified
 
 
 @pytest.mark.parametrize("expert_bias", [False, True], ids=["no-bias", "bias"])
-def test_matches_fp64_reference_to_fp32_rounding(expert_bias):
+def test_matches_fp64_reference_to_fp32_rounding(combine_calls, expert_bias):
     module = grouped_experts(expert_bias=expert_bias)
     batch = routed_batch()
     install_fp32_combine(module, chunk_rows=5, backend="torch")
     combined = forward_backward(module, batch)
+    assert combine_calls == [dict(chunk_rows=5, backend="torch")]
     reference = fp64_reference(module, batch)
     assert len(combined) == len(reference) == 5 + 2 * expert_bias
     for actual, expected in zip(combined, reference):
@@ -152,18 +168,19 @@ def test_matches_fp64_reference_to_fp32_rounding(expert_bias):
     assert torch.equal(combined[0][PADDING_TOKEN], torch.zeros(HIDDEN))
 
 
-def test_no_routed_rows_runs_the_shipped_dummy_graph():
-    """No token routed to a local expert: the shipped method's zeros and graph."""
+def test_no_routed_rows_runs_the_shipped_dummy_graph(combine_calls):
+    """No token routed to a local expert: the shipped method's zeros and graph, no combine."""
     module = grouped_experts()
     x, token_mask, weights, indices, grad_y = routed_batch()
     batch = (x, torch.zeros_like(token_mask), weights, indices, grad_y)
     shipped = forward_backward(module, batch)
     install_fp32_combine(module, backend="torch")
     assert_bitwise(shipped, forward_backward(module, batch))
+    assert combine_calls == []
 
 
 @pytest.mark.triton_interpreter
-def test_triton_backend_matches_shipped_bitwise_in_fp32():
+def test_triton_backend_matches_shipped_bitwise_in_fp32(combine_calls):
     """The fused kernel also adds each token's rows in row order from zero; in FP32 its backward
     writes the gradient rows uncast."""
     pytest.importorskip("triton", reason="triton is not installed: the fused kernel is untested")
@@ -172,6 +189,7 @@ def test_triton_backend_matches_shipped_bitwise_in_fp32():
     shipped = forward_backward(module, batch)
     install_fp32_combine(module, backend="triton")
     assert_bitwise(shipped, forward_backward(module, batch))
+    assert combine_calls == [dict(chunk_rows=None, backend="triton")]
 
 
 # --- peak memory ---------------------------------------------------------------------------------
@@ -241,10 +259,10 @@ def test_no_full_size_fp32_temporary_in_forward_or_backward():
 
 # --- scope, undo, refusals -----------------------------------------------------------------------
 
-def test_scoped_to_the_modules_given_idempotent_and_undone():
+def test_scoped_to_the_modules_given_idempotent_and_undone(combine_calls):
     """An MoE layer (router and experts): only its experts get the combine, the class and
-    nemo_automodel's module globals stay as they are, a second call changes nothing, and
-    remove_combine gives the shipped method back."""
+    nemo_automodel's module globals stay as they are, a second call changes only the options,
+    and remove_combine gives the shipped method back."""
     layer = fill(MoE(moe_config(), backend()))
     other = grouped_experts()
     x = routed_batch()[0].requires_grad_()
@@ -263,10 +281,12 @@ def test_scoped_to_the_modules_given_idempotent_and_undone():
     assert "_forward_grouped_mm" not in vars(other)
     assert vars(automodel_experts) == module_globals and dict(vars(GroupedExperts)) == class_dict
     assert_bitwise(shipped, layer_step())
+    assert combine_calls == [dict(chunk_rows=7, backend="torch")]
     assert remove_combine(layer) == ["experts"]
     assert remove_combine(layer) == []
     assert "_forward_grouped_mm" not in vars(layer.experts)
     assert_bitwise(shipped, layer_step())
+    assert len(combine_calls) == 1
 
 
 def test_docs_snippet_installs_and_removes():

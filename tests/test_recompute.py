@@ -16,7 +16,7 @@ from megatron.core.models.gpt import GPTModel
 from mcore_torch_experts import TorchExpertsTransformerConfig
 from mcore_torch_experts.lora import apply_lora, lora_parameters
 from mcore_torch_experts.model import build_gpt_model
-from mcore_torch_experts.recompute import install_frozen_input_guard
+from mcore_torch_experts.recompute import _ORIGINAL_FORWARD, install_frozen_input_guard
 from mcore_torch_experts.specs import get_gpt_decoder_block_spec
 from tiny_gpt import LORA_TARGETS as TARGETS
 from tiny_gpt import SEQ, VOCAB, fp32_moe_config, lm_batch
@@ -138,7 +138,8 @@ def test_install_is_idempotent_and_counts_blocks(megatron_cpu_training):
     guarded_forward = model.decoder.forward
     assert install_frozen_input_guard(model) == 1
     assert install_frozen_input_guard(model) == 1
-    assert model.decoder.forward == guarded_forward
+    assert model.decoder.forward is guarded_forward
+    assert vars(model.decoder)[_ORIGINAL_FORWARD].__func__ is type(model.decoder).forward
     assert all(g is not None for g in adapter_grads(model).values())
 
 

@@ -141,20 +141,31 @@ def assigned_state(experts, dtype):
     return {k: (v * 0.5).to(dtype) for k, v in experts.state_dict().items() if v is not None}
 
 
+def stacked_state(state):
+    """fc1 [E, 2F, H], fc2 [E, H, F] in bf16: the expert weights of a state dict."""
+    return [torch.stack([state[f"{linear}.weight{i}"] for i in range(EXPERTS)]).bfloat16()
+            for linear in ("linear_fc1", "linear_fc2")]
+
+
 @pytest.mark.parametrize("change", ["assign_same_dtype", "assign_fp32", "data_moved_one_by_one"])
 def test_repack_under_inference_mode_leaves_a_trainable_module(megatron_cpu, change):
+    """Repacked under inference mode, the buffers hold the weights given (halved, so dropped
+    values show) and every call computes with them; no inference tensor is left, and it trains."""
     config, experts = build(megatron_cpu, torch.bfloat16)
     x, probs = inputs(torch.bfloat16)
     if change == "data_moved_one_by_one":
+        fc1, fc2 = (w * 0.5 for w in weights(experts))
         for w in experts.parameters():
-            w.data = w.data.float()
+            w.data = w.data.float() * 0.5
     else:
         state = assigned_state(experts, torch.float32 if change == "assign_fp32" else torch.bfloat16)
+        fc1, fc2 = stacked_state(state)
         experts.load_state_dict(state, strict=False, assign=True)
-    fc1, fc2 = (w.bfloat16() for w in weights(experts))
 
     with torch.inference_mode():
         out, _ = experts(x, SPLITS, probs)
+    assert torch.equal(experts.linear_fc1.packed_weight, fc1)
+    assert torch.equal(experts.linear_fc2.packed_weight, fc2)
     assert_matches_fp64(config, out, fc1, fc2, x, probs)
 
     tensors = [*experts.buffers(), *experts.parameters()]
