@@ -17,10 +17,8 @@ class TorchExpertsConfigError(ValueError):
     """A setting that TorchGroupedMLP cannot honour; the message names the field and the fix."""
 
 
-def _refuse(field: str, value, fix: str) -> None:
-    raise TorchExpertsConfigError(
-        f"moe_expert_gemm_backend='torch' does not support {field}={value!r}: {fix}"
-    )
+def _refuse(field: str, value, fix: str, setting: str = "moe_expert_gemm_backend='torch'") -> None:
+    raise TorchExpertsConfigError(f"{setting} does not support {field}={value!r}: {fix}")
 
 
 def check_backend(backend) -> None:
@@ -134,6 +132,21 @@ def _refuse_te_activation_mismatch(config: TransformerConfig) -> None:
             "(only SwiGLU is the same); set use_te_activation_func=False.")
 
 
+TRANSFORMER_IMPLS = ("transformer_engine", "local")
+
+
+def refuse_transformer_impl(config: TransformerConfig, setting: str) -> None:
+    """Refuse a `transformer_impl` outside TRANSFORMER_IMPLS ("inference_optimized") for
+    `setting`, the feature that asked (the torch backend, the FP32 combine, a launcher spec)."""
+    if config.transformer_impl not in TRANSFORMER_IMPLS:
+        _refuse("transformer_impl", config.transformer_impl,
+                "Megatron's inference-optimized layers serve neither TorchGroupedMLP nor the FP32 "
+                "combine (from megatron-core 0.17 their MoE layers call the experts with a routing "
+                "map and swap in their own token dispatcher); set "
+                "transformer_impl='transformer_engine' or 'local'.",
+                setting)
+
+
 def _check_supported_settings(config: TransformerConfig) -> None:
     if config.num_moe_experts is None:
         _refuse("num_moe_experts", None,
@@ -141,6 +154,7 @@ def _check_supported_settings(config: TransformerConfig) -> None:
                 "'transformer_engine' for dense models.")
     if not config.moe_grouped_gemm:
         _refuse("moe_grouped_gemm", False, "set moe_grouped_gemm=True.")
+    refuse_transformer_impl(config, "moe_expert_gemm_backend='torch'")
     refuse_unsupported_flags(vars(config))
     _refuse_te_activation_mismatch(config)
     dtype = config.params_dtype
@@ -253,13 +267,14 @@ COMBINE_DISPATCHERS = ("allgather", "alltoall")
 
 def validate_fp32_combine_config(config: TransformerConfig) -> None:
     """Refuse settings under which the FP32 top-k combine cannot run as asked."""
+    setting = "moe_combine_in_fp32=True"
 
     def refuse(field, value, fix):
-        raise TorchExpertsConfigError(
-            f"moe_combine_in_fp32=True does not support {field}={value!r}: {fix}")
+        _refuse(field, value, fix, setting)
 
     if config.num_moe_experts is None:
         refuse("num_moe_experts", None, "it combines MoE expert outputs; set moe_combine_in_fp32=False.")
+    refuse_transformer_impl(config, setting)
     if config.moe_token_dispatcher_type not in COMBINE_DISPATCHERS:
         refuse("moe_token_dispatcher_type", config.moe_token_dispatcher_type,
                f"use one of {COMBINE_DISPATCHERS}.")

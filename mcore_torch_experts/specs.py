@@ -21,8 +21,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from . import _compat
 from .config import (
-    TorchExpertsConfigError,
     check_backend,
+    refuse_transformer_impl,
     refuse_unsupported_flags,
     validate_fp32_combine_config,
     validate_torch_experts_config,
@@ -140,9 +140,6 @@ def gpt_transformer_layer_spec(config: TransformerConfig, vp_stage: Optional[int
                                     qk_l2_norm=config.qk_l2_norm)
 
 
-LAUNCHER_TRANSFORMER_IMPLS = ("transformer_engine", "local")
-
-
 def launcher_transformer_config(config):
     """The TransformerConfig behind what a launcher hands a spec callback: `config` itself (a
     Megatron-Bridge provider), or the `transformer` field of a Megatron-LM model config
@@ -160,14 +157,10 @@ def launcher_transformer_config(config):
 
 def _launcher_uses_transformer_engine(config: TransformerConfig) -> bool:
     """Whether `config.transformer_impl` (Megatron-LM's `--transformer-impl`, a Bridge provider's
-    field) asks for Transformer Engine modules; "inference_optimized" is refused."""
-    impl = config.transformer_impl
-    if impl not in LAUNCHER_TRANSFORMER_IMPLS:
-        raise TorchExpertsConfigError(
-            f"torch_experts_gpt_spec does not support transformer_impl={impl!r}: TorchGroupedMLP "
-            f"trains adapters; set transformer_impl to one of {LAUNCHER_TRANSFORMER_IMPLS}, or "
-            "leave the launcher's default spec in place.")
-    return impl == "transformer_engine"
+    field) asks for Transformer Engine modules; "inference_optimized" is refused, whichever
+    expert backend the config names."""
+    refuse_transformer_impl(config, "torch_experts_gpt_spec")
+    return config.transformer_impl == "transformer_engine"
 
 
 def torch_experts_gpt_spec(config, vp_stage: Optional[int] = None):

@@ -114,6 +114,14 @@ def test_fp32_combine_settings_are_validated():
         TorchExpertsTransformerConfig(**fields, moe_combine_backend="cuda")
     with pytest.raises(TorchExpertsConfigError, match="moe_token_dispatcher_type='flex'"):
         TorchExpertsTransformerConfig(**fields, moe_token_dispatcher_type="flex")
+    # What Megatron's own checks of transformer_impl="inference_optimized" ask for, then ours.
+    inference = dict(transformer_impl="inference_optimized", normalization="RMSNorm",
+                     add_bias_linear=False, moe_router_dtype="fp32")
+    with pytest.raises(TorchExpertsConfigError,
+                       match="^moe_combine_in_fp32=True does not support "
+                             "transformer_impl='inference_optimized': .* set "
+                             "transformer_impl='transformer_engine' or 'local'.$"):
+        TorchExpertsTransformerConfig(**fields, **inference)
 
 
 class SharedExpertsRecorder:

@@ -103,8 +103,9 @@ def test_entry_points_refuse_on_the_config_they_are_given(megatron_cpu, field, e
 
 def test_gpt_entry_point_refuses_the_inference_transformer_impl(megatron_cpu):
     with pytest.raises(TorchExpertsConfigError,
-                       match="transformer_impl='inference_optimized': TorchGroupedMLP trains "
-                             "adapters; set transformer_impl to one of"):
+                       match="^torch_experts_gpt_spec does not support "
+                             "transformer_impl='inference_optimized': .* set "
+                             "transformer_impl='transformer_engine' or 'local'.$"):
         specs.torch_experts_gpt_spec(plain_config(transformer_impl="inference_optimized"))
 
 
