@@ -64,7 +64,7 @@ REFUSED_WHEN_SET = {
 # from the routing map) and moe_router_fusion (TE's top-k, scores, aux loss) hand the experts the
 # same rows and work; use_fused_weighted_squared_relu and bias_activation_fusion (Megatron's fused
 # activation x probs in TEGroupedMLP) compute what TorchGroupedMLP computes anyway, and so does
-# use_te_activation_func for SwiGLU only (_refuse_te_activation_mismatch); the TE op fuser,
+# use_te_activation_func for plain SwiGLU only (_refuse_te_activation_mismatch); the TE op fuser,
 # routing-map padding (FP8/FP4 only) and the paged stash (HybridEP / NCCL-EP) are refused above,
 # the flex dispatcher's fixed-size modes in _refuse_fixed_size_flex_dispatch.
 # A fused expert-LoRA switch (none in Megatron-Core 0.16 to 0.19): a field naming LoRA and experts.
@@ -119,11 +119,21 @@ def _refuse_fixed_size_flex_dispatch(settings: Mapping[str, object]) -> None:
 
 def _refuse_te_activation_mismatch(config: TransformerConfig) -> None:
     """use_te_activation_func: Megatron's experts run Transformer Engine's activation op, which
-    is the function TorchGroupedMLP computes (activation_func) for gated silu (TE's SwiGLU) only:
-    Megatron maps silu without gating to TE's ReLU, and TE's GELU ops use the tanh form."""
+    is the function TorchGroupedMLP computes (activation_func) for plain SwiGLU only: Megatron
+    maps silu without gating to TE's ReLU, TE's GELU ops use the tanh form, and Megatron builds
+    TE's SwiGLU without glu_linear_offset or activation_func_clamp_value."""
     if not getattr(config, "use_te_activation_func", False):
         return
     if config.gated_linear_unit and config.activation_func == torch.nn.functional.silu:
+        ignored = [f"{field}={getattr(config, field)!r}" for field, unset
+                   in (("glu_linear_offset", 0.0), ("activation_func_clamp_value", None))
+                   if getattr(config, field, unset) != unset]
+        if ignored:
+            _refuse("use_te_activation_func", True,
+                    f"with {' and '.join(ignored)}, Transformer Engine's SwiGLU op, which Megatron "
+                    "builds without an offset or a clamp, is not the function TorchGroupedMLP "
+                    "computes; set use_te_activation_func=False (Megatron's experts then apply "
+                    "them too).")
         return
     activation = getattr(config.activation_func, "__name__", config.activation_func)
     _refuse("use_te_activation_func", True,

@@ -68,6 +68,15 @@ REFUSALS = [
     ("te_activation_geglu", dict(use_te_activation_func=True, activation_func=F.gelu,
                                  gated_linear_unit=True), {},
      "use_te_activation_func=True", "with activation_func=gelu and gated_linear_unit=True"),
+    ("te_swiglu_with_offset", dict(use_te_activation_func=True, activation_func=F.silu,
+                                   gated_linear_unit=True, glu_linear_offset=1.0), {},
+     "use_te_activation_func=True", "with glu_linear_offset=1.0, Transformer Engine's SwiGLU op, "
+     "which Megatron builds without an offset or a clamp, is not the function TorchGroupedMLP "
+     "computes; set use_te_activation_func=False"),
+    ("te_swiglu_with_clamp", dict(use_te_activation_func=True, activation_func=F.silu,
+                                  gated_linear_unit=True, activation_func_clamp_value=7.0), {},
+     "use_te_activation_func=True", "with activation_func_clamp_value=7.0, Transformer Engine's "
+     "SwiGLU op"),
     ("expert_offloading", dict(fine_grained_activation_offloading=True,
                                offload_modules=["attn_norm", "moe_act", "expert_fc1"]), {},
      "offload_modules=['expert_fc1', 'moe_act']", "remove 'expert_fc1' and 'moe_act'"),
