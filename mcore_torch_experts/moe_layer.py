@@ -21,7 +21,11 @@ from .combine import fp32_combine
 
 class FP32CombineMoELayer(MoELayer):
     """MoELayer whose top-k combine accumulates in FP32 (settings from the config:
-    `moe_combine_chunk_rows`, `moe_combine_backend`)."""
+    `moe_combine_chunk_rows`, `moe_combine_backend`).
+
+    Before megatron-core 0.18, TransformerLayer passes `pg_collection` (and, on 0.17,
+    `is_mtp_layer`) only to the exact MoELayer class: this layer is built without them and runs
+    on Megatron's global (mpu) groups (docs/guarantees.md, "FP32 top-k combine")."""
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, **kwargs):
         super().__init__(config, submodules, layer_number=layer_number,

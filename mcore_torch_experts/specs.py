@@ -7,8 +7,11 @@ import path from Megatron-LM's `--spec` or a Megatron-Bridge provider, whose con
 `moe_expert_gemm_backend` field: they build TorchGroupedMLP unless the config says
 "transformer_engine".
 
-The spec decides which module runs; TorchGroupedMLP never looks at global state. Specs are never
-changed in place: Megatron shares one MoE layer spec between all MoE layers of a block.
+The spec decides which module runs; no global switch is read. Modules run on the process groups
+their parent hands them, and on Megatron's global (mpu) groups when it hands none: before
+megatron-core 0.18 TransformerLayer hands none to FP32CombineMoELayer, which then runs, experts
+included, on the mpu groups (docs/guarantees.md, "FP32 top-k combine"). Specs are never changed in
+place: Megatron shares one MoE layer spec between all MoE layers of a block.
 """
 
 import dataclasses

@@ -1,10 +1,13 @@
 """FP32CombineMoELayer sums each token's top-k expert rows in FP32: one rounding instead of k."""
 
 import collections
+import dataclasses
 
 import pytest
 import torch
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.spec_utils import build_module
 
 from mcore_torch_experts import _compat
 from mcore_torch_experts import moe_layer as moe_layer_module
@@ -122,6 +125,53 @@ def test_fp32_combine_settings_are_validated():
                              "transformer_impl='inference_optimized': .* set "
                              "transformer_impl='transformer_engine' or 'local'.$"):
         TorchExpertsTransformerConfig(**fields, **inference)
+
+
+@pytest.mark.parametrize("layer_class", [MoELayer, FP32CombineMoELayer])
+def test_process_groups_a_transformer_layer_hands_its_moe_layer(megatron_cpu, layer_class):
+    """A TransformerLayer built with its own pg_collection hands it to Megatron's MoELayer on every
+    release, and to FP32CombineMoELayer from megatron-core 0.18. Before 0.18 it hands it only to
+    the exact MoELayer class, so FP32CombineMoELayer, its router, token dispatcher and experts run
+    on Megatron's global (mpu) groups (docs/guarantees.md, "FP32 top-k combine")."""
+    config = make_config(moe_token_dispatcher_type="allgather")
+    config.moe_expert_gemm_backend = "torch"
+    config.moe_combine_in_fp32 = layer_class is FP32CombineMoELayer
+    mpu = megatron_cpu
+    own_group = torch.distributed.new_group([0])
+    own = ProcessGroupCollection(**{field.name: own_group for field in dataclasses.fields(mpu)
+                                    if getattr(mpu, field.name, None) is not None})
+
+    moe = build_module(get_gpt_layer_local_spec(config), config=config, layer_number=1,
+                       pg_collection=own).mlp
+
+    assert type(moe) is layer_class
+    used = {"moe_layer ep": moe.ep_group, "router tp": moe.router.tp_group,
+            "dispatcher ep": moe.token_dispatcher.ep_group, "experts ep": moe.experts.ep_group,
+            "experts expt_tp": moe.experts.tp_group}
+    if layer_class is MoELayer or _compat.megatron_core_release() >= (0, 18):
+        assert used == dict.fromkeys(used, own_group)
+    else:
+        assert used == {"moe_layer ep": mpu.ep, "router tp": mpu.tp, "dispatcher ep": mpu.ep,
+                        "experts ep": mpu.ep, "experts expt_tp": mpu.expt_tp}
+
+
+@pytest.mark.parametrize("layer_class", [MoELayer, FP32CombineMoELayer])
+def test_mtp_flag_a_transformer_layer_hands_its_moe_layer(megatron_cpu, layer_class):
+    """An MTP TransformerLayer (is_mtp_layer=True, megatron-core 0.17+) hands the flag to
+    Megatron's MoELayer and its router, and to FP32CombineMoELayer from 0.18; 0.17 hands it only
+    to the exact MoELayer class (docs/guarantees.md, "FP32 top-k combine")."""
+    if _compat.megatron_core_release() < (0, 17):
+        pytest.skip("TransformerLayer takes is_mtp_layer from megatron-core 0.17")
+    config = make_config(moe_token_dispatcher_type="allgather")
+    config.moe_expert_gemm_backend = "torch"
+    config.moe_combine_in_fp32 = layer_class is FP32CombineMoELayer
+
+    moe = build_module(get_gpt_layer_local_spec(config), config=config, layer_number=1,
+                       pg_collection=megatron_cpu, is_mtp_layer=True).mlp
+
+    assert type(moe) is layer_class
+    handed = layer_class is MoELayer or _compat.megatron_core_release() >= (0, 18)
+    assert (moe.is_mtp_layer, moe.router.is_mtp_layer) == (handed, handed)
 
 
 class SharedExpertsRecorder:
