@@ -64,14 +64,23 @@ def with_moe_submodules(mlp_spec, submodules):
 
 
 def gpt_layer_spec_kwargs(builder, config, **kwargs) -> dict:
-    """Arguments for Megatron's GPT layer-spec builders that this release accepts."""
+    """Arguments for one of Megatron's GPT layer-spec builders: the config's MoE and attention
+    settings that this release's builder takes, overridden by `kwargs`, which all go through (an
+    argument the builder does not take is a TypeError naming the release's parameters)."""
     params = inspect.signature(builder).parameters
-    wanted = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
-                  qk_layernorm=config.qk_layernorm,
-                  multi_latent_attention=config.multi_latent_attention, **kwargs)
-    if "moe_use_legacy_grouped_gemm" in params:  # removed in 0.17
-        wanted.setdefault("moe_use_legacy_grouped_gemm", False)
-    return {k: v for k, v in wanted.items() if k in params}
+    unknown = [name for name in kwargs if name not in params]
+    if unknown:
+        from megatron.core import __version__
+
+        raise TypeError(
+            f"{builder.__module__}.{builder.__qualname__} of megatron-core {__version__} takes no "
+            f"argument {', '.join(map(repr, unknown))}; it takes {', '.join(params)}. Correct "
+            "the name, or leave the argument out on this release.")
+    defaults = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
+                    qk_layernorm=config.qk_layernorm,
+                    multi_latent_attention=config.multi_latent_attention,
+                    moe_use_legacy_grouped_gemm=False)  # removed in 0.17
+    return {**{k: v for k, v in defaults.items() if k in params}, **kwargs}
 
 
 # --- Hybrid (Mamba / attention / MLP / MoE) stacks ----------------------------------------------
