@@ -2,6 +2,7 @@
 TEGroupedMLP experts) into one with TorchGroupedMLP experts: same outputs, same sharded keys."""
 
 import gc
+import re
 import weakref
 
 import pytest
@@ -85,6 +86,21 @@ def test_conversion_keeps_outputs_weights_and_sharded_keys(megatron_cpu):
         assert rel_err(grad, grads[name]) < 1e-2, name
 
 
+def modules_and_parameters(model):
+    """{qualified name: (module, {parameter name: parameter})}: to compare by identity."""
+    return {name: (module, dict(module.named_parameters()))
+            for name, module in model.named_modules()}
+
+
+def assert_same_objects(model, before):
+    after = modules_and_parameters(model)
+    assert after.keys() == before.keys()
+    for name, (module, params) in after.items():
+        assert module is before[name][0], name
+        assert params.keys() == before[name][1].keys()
+        assert all(p is before[name][1][k] for k, p in params.items()), name
+
+
 def test_refused_model_is_left_untouched(megatron_cpu):
     model = sequential_mlp_model(add_bias_linear=True)
     with pytest.raises(TorchExpertsConfigError, match="add_bias_linear=True"):
@@ -96,19 +112,27 @@ def test_refused_model_is_left_untouched(megatron_cpu):
 def test_a_model_with_expert_adapters_is_refused_untouched(megatron_cpu, targets):
     model = sequential_mlp_model()
     apply_lora(model, targets, rank=4, alpha=8)
-    before = {name: (module, dict(module.named_parameters())) for name, module in
-              model.named_modules()}
+    before = modules_and_parameters(model)
     with pytest.raises(ValueError, match=r"decoder\.layers\.1\.mlp\.experts\.local_experts\.0\."
                                          r"linear_fc\d .*already carries a LoRA adapter.*call "
                                          r"convert_experts_to_torch, then apply_lora"):
         convert_experts_to_torch(model)
-    after = {name: (module, dict(module.named_parameters())) for name, module in
-             model.named_modules()}
-    assert after.keys() == before.keys()
-    for name, (module, params) in after.items():
-        assert module is before[name][0], name
-        assert params.keys() == before[name][1].keys()
-        assert all(p is before[name][1][k] for k, p in params.items()), name
+    assert_same_objects(model, before)
+
+
+def test_a_wrong_shaped_expert_weight_in_a_later_layer_is_refused_before_any_layer_changes(
+        megatron_cpu):
+    """The shapes of every layer's expert weights are checked before the first one is replaced."""
+    model = sequential_mlp_model()
+    model.get_submodule(EXPERTS[1]).local_experts[3].linear_fc2.weight = torch.nn.Parameter(
+        torch.zeros(HIDDEN, MOE_FFN + 8, dtype=torch.bfloat16))
+    before = modules_and_parameters(model)
+    with pytest.raises(ValueError, match=re.escape(
+            f"{EXPERTS[1]}: expert 3's linear_fc2 weight has shape [{HIDDEN}, {MOE_FFN + 8}], "
+            f"expected [{HIDDEN}, {MOE_FFN}] from its config")):
+        convert_experts_to_torch(model)
+    assert isinstance(model.get_submodule(EXPERTS[0]), SequentialMLP)
+    assert_same_objects(model, before)
 
 
 def test_adapters_outside_the_experts_survive_conversion(megatron_cpu):
