@@ -135,6 +135,32 @@ def test_a_wrong_shaped_expert_weight_in_a_later_layer_is_refused_before_any_lay
     assert_same_objects(model, before)
 
 
+def test_meta_device_expert_weights_are_refused_untouched(megatron_cpu):
+    """Weights on the meta device (a model built with init_model_with_meta_device) hold no values
+    to take over; the refusal says to materialise and load them first."""
+    model = sequential_mlp_model()
+    model.get_submodule(EXPERTS[1]).to("meta")
+    before = modules_and_parameters(model)
+    with pytest.raises(ValueError, match=re.escape(
+            f"{EXPERTS[1]}'s expert weights are on ['meta']; they are taken over on one CPU or "
+            "CUDA device") + ".*materialise and load its weights first"):
+        convert_experts_to_torch(model)
+    assert_same_objects(model, before)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_the_new_experts_are_built_on_their_weights_device_not_the_current_one(megatron_cpu):
+    """A model on cuda:1 converted while cuda:0 is current keeps its experts on cuda:1."""
+    model = sequential_mlp_model().to("cuda:1")
+    with torch.cuda.device(0):
+        convert_experts_to_torch(model)
+        assert torch.cuda.current_device() == 0
+    for name in EXPERTS:
+        experts = model.get_submodule(name)
+        tensors = [*experts.parameters(), *experts.buffers()]
+        assert {t.device for t in tensors} == {torch.device("cuda", 1)}, name
+
+
 def test_adapters_outside_the_experts_survive_conversion(megatron_cpu):
     model = sequential_mlp_model()
     apply_lora(model, ["linear_qkv", "linear_proj"], rank=4, alpha=8)
