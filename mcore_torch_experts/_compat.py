@@ -163,8 +163,9 @@ def shared_experts_fc2_in_combine_postprocess() -> bool:
 
 # --- Converting built experts modules ------------------------------------------------------------
 # SequentialMLP and TEGroupedMLP keep their groups as ep_group / tp_group (expert TP); SequentialMLP
-# also keeps dp_group (expert DP), TEGroupedMLP does not (0.16). The legacy GroupedMLP (0.16 only)
-# is not converted: moe_use_legacy_grouped_gemm is refused.
+# also keeps dp_group (expert DP), TEGroupedMLP does not, but hands its pg_collection to its TE
+# grouped linears, which keep it as `_pg_collection` (0.16 to 0.19). The legacy GroupedMLP (0.16
+# only) is not converted: moe_use_legacy_grouped_gemm is refused.
 
 
 def convertible_experts_classes() -> tuple:
@@ -176,9 +177,12 @@ def convertible_experts_classes() -> tuple:
 
 
 def experts_process_groups(experts) -> ProcessGroupCollection:
-    """The expert groups (ep, expt_tp, expt_dp) a built Megatron experts module runs with."""
+    """The expert groups (ep, expt_tp, expt_dp) a built Megatron experts module runs with; expt_dp
+    from Megatron's globals only where neither the module nor its TE linears hold one."""
     groups = ProcessGroupCollection(ep=experts.ep_group, expt_tp=experts.tp_group)
+    te_linear_groups = getattr(getattr(experts, "linear_fc1", None), "_pg_collection", None)
     groups.expt_dp = (getattr(experts, "dp_group", None)
+                      or getattr(te_linear_groups, "expt_dp", None)
                       or ProcessGroupCollection.use_mpu_process_groups().expt_dp)
     return groups
 

@@ -3,15 +3,19 @@ TEGroupedMLP experts) into one with TorchGroupedMLP experts: same outputs, same 
 
 import gc
 import re
+import types
 import weakref
 
 import pytest
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
 from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-from mcore_torch_experts import TorchExpertsConfigError, TorchGroupedMLP
+from mcore_torch_experts import TorchExpertsConfigError, TorchGroupedMLP, _compat
 from mcore_torch_experts.convert import ConversionSummary, convert_experts_to_torch
 from mcore_torch_experts.lora import apply_lora, lora_parameters
 from reference import rel_err
@@ -186,3 +190,35 @@ def test_model_chunks_and_a_second_conversion(megatron_cpu):
     summary = convert_experts_to_torch([model])  # Megatron-LM and Bridge hand over chunk lists
     assert summary.names == [f"0.{name}" for name in EXPERTS]
     assert convert_experts_to_torch(model) == ConversionSummary(blocks_guarded=1)
+
+
+EXPERT_GROUPS = ("ep", "expt_tp", "expt_dp")
+
+
+def own_expert_groups():
+    """One-rank expert groups that are not Megatron's global ones."""
+    return ProcessGroupCollection(**{name: torch.distributed.new_group([0])
+                                     for name in EXPERT_GROUPS})
+
+
+def test_converted_experts_run_with_the_groups_the_module_was_built_with(megatron_cpu):
+    """SequentialMLP: the expert groups it was built with (not Megatron's global ones), expert DP
+    (its dp_group) included."""
+    own = own_expert_groups()
+    submodules = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    holder = torch.nn.ModuleDict(dict(experts=SequentialMLP(
+        NUM_EXPERTS, tiny_config(moe_grouped_gemm=False), submodules, pg_collection=own)))
+    convert_experts_to_torch(holder)
+    groups = holder.experts.linear_fc1._pg_collection
+    assert all(getattr(groups, name) is getattr(own, name) for name in EXPERT_GROUPS)
+
+
+def test_te_grouped_mlp_expert_dp_comes_from_its_te_linears(megatron_cpu):
+    """TEGroupedMLP keeps no dp_group; its TE grouped linears keep the groups it was built with as
+    `_pg_collection`, and expert DP is read there, not from Megatron's globals (a stand-in of that
+    layout: TE's linears need CUDA)."""
+    own = own_expert_groups()
+    te_grouped_mlp = types.SimpleNamespace(ep_group=own.ep, tp_group=own.expt_tp,
+                                           linear_fc1=types.SimpleNamespace(_pg_collection=own))
+    groups = _compat.experts_process_groups(te_grouped_mlp)
+    assert all(getattr(groups, name) is getattr(own, name) for name in EXPERT_GROUPS)
