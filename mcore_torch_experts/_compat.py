@@ -64,14 +64,23 @@ def with_moe_submodules(mlp_spec, submodules):
 
 
 def gpt_layer_spec_kwargs(builder, config, **kwargs) -> dict:
-    """Arguments for Megatron's GPT layer-spec builders that this release accepts."""
+    """Arguments for one of Megatron's GPT layer-spec builders: the config's MoE and attention
+    settings that this release's builder takes, overridden by `kwargs`, which all go through (an
+    argument the builder does not take is a TypeError naming the release's parameters)."""
     params = inspect.signature(builder).parameters
-    wanted = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
-                  qk_layernorm=config.qk_layernorm,
-                  multi_latent_attention=config.multi_latent_attention, **kwargs)
-    if "moe_use_legacy_grouped_gemm" in params:  # removed in 0.17
-        wanted.setdefault("moe_use_legacy_grouped_gemm", False)
-    return {k: v for k, v in wanted.items() if k in params}
+    unknown = [name for name in kwargs if name not in params]
+    if unknown:
+        from megatron.core import __version__
+
+        raise TypeError(
+            f"{builder.__module__}.{builder.__qualname__} of megatron-core {__version__} takes no "
+            f"argument {', '.join(map(repr, unknown))}; it takes {', '.join(params)}. Correct "
+            "the name, or leave the argument out on this release.")
+    defaults = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
+                    qk_layernorm=config.qk_layernorm,
+                    multi_latent_attention=config.multi_latent_attention,
+                    moe_use_legacy_grouped_gemm=False)  # removed in 0.17
+    return {**{k: v for k, v in defaults.items() if k in params}, **kwargs}
 
 
 # --- Hybrid (Mamba / attention / MLP / MoE) stacks ----------------------------------------------
@@ -154,8 +163,9 @@ def shared_experts_fc2_in_combine_postprocess() -> bool:
 
 # --- Converting built experts modules ------------------------------------------------------------
 # SequentialMLP and TEGroupedMLP keep their groups as ep_group / tp_group (expert TP); SequentialMLP
-# also keeps dp_group (expert DP), TEGroupedMLP does not (0.16). The legacy GroupedMLP (0.16 only)
-# is not converted: moe_use_legacy_grouped_gemm is refused.
+# also keeps dp_group (expert DP), TEGroupedMLP does not, but hands its pg_collection to its TE
+# grouped linears, which keep it as `_pg_collection` (0.16 to 0.19). The legacy GroupedMLP (0.16
+# only) is not converted: moe_use_legacy_grouped_gemm is refused.
 
 
 def convertible_experts_classes() -> tuple:
@@ -167,9 +177,12 @@ def convertible_experts_classes() -> tuple:
 
 
 def experts_process_groups(experts) -> ProcessGroupCollection:
-    """The expert groups (ep, expt_tp, expt_dp) a built Megatron experts module runs with."""
+    """The expert groups (ep, expt_tp, expt_dp) a built Megatron experts module runs with; expt_dp
+    from Megatron's globals only where neither the module nor its TE linears hold one."""
     groups = ProcessGroupCollection(ep=experts.ep_group, expt_tp=experts.tp_group)
+    te_linear_groups = getattr(getattr(experts, "linear_fc1", None), "_pg_collection", None)
     groups.expt_dp = (getattr(experts, "dp_group", None)
+                      or getattr(te_linear_groups, "expt_dp", None)
                       or ProcessGroupCollection.use_mpu_process_groups().expt_dp)
     return groups
 

@@ -235,7 +235,8 @@ def merge_bridge_lora(model) -> List[str]:
 
     `model` is a module or a list of model chunks. The packed buffer is written in place, so every
     `weightN` stays a view of it. Refused, before anything changes, for expert tensor parallelism
-    above 1, for adapters that are not plain LoRA (a non-identity activation) and for a wrapper
+    above 1, for adapters that are not plain LoRA (a non-identity activation), for adapters Bridge
+    has disabled (`disable_adapter_layers`: the model computes without them) and for a wrapper
     passed as `model` (or as a chunk) itself.
     """
     from megatron.bridge.peft.lora_layers import LoRALinear
@@ -253,6 +254,13 @@ def merge_bridge_lora(model) -> List[str]:
     merged = []
     for _, name, wrapper in found:
         base, adapter = wrapper.to_wrap, wrapper.adapter
+        if not wrapper._adapter_enabled:
+            raise ValueError(
+                f"merge_bridge_lora: {name}'s adapter is disabled (Bridge's "
+                "disable_adapter_layers), so the model computes without it and merging would "
+                "change that; nothing was merged. Enable the adapters to merge them (the PEFT's "
+                "enable_adapter_layers(model), or the wrapper's enable_adapter_layers()), or put "
+                "the wrapper's `to_wrap` in its place to drop the adapter unmerged.")
         if get_pg_size(base._pg_collection.expt_tp) > 1:
             raise NotImplementedError(f"merge_bridge_lora: {name} has expert tensor parallelism "
                                       "> 1; merge on a model loaded with ETP=1")

@@ -5,6 +5,7 @@ adapters (a model whose expert linears already carry adapters is refused, unchan
 wrapping and the optimizer.
 """
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 from typing import List, Sequence, Tuple, Union
@@ -43,7 +44,8 @@ def convert_experts_to_torch(
     distributed checkpoints load either way.
 
     Every module is validated first (validate_torch_experts_config with its own expert-parallel
-    and expert-tensor-parallel group sizes), so a refusal leaves the model untouched;
+    and expert-tensor-parallel group sizes; its expert weights all on one CPU or CUDA device, each
+    of the shape its config gives), so a refusal leaves the model untouched;
     `moe_grouped_gemm` need not be set, the conversion is what makes the experts grouped. Each new
     module is built on the old weights' device in their dtype without initialisation, filled
     expert by expert, and the old module dropped before the next one is built: at most one
@@ -81,8 +83,35 @@ def _validated_targets(root: torch.nn.Module) -> List[str]:
             validate_torch_experts_config(_build_config(module),
                                           get_pg_size(module.ep_group),
                                           get_pg_size(module.tp_group))
+            _refuse_unusable_weights(module, name)
             names.append(name)
     return names
+
+
+def _refuse_unusable_weights(experts, name: str) -> None:
+    """Expert weights the new module cannot take over: not all on one CPU or CUDA device (meta
+    weights hold no values), or of another shape than its [out, in] slots."""
+    weights = _expert_weights(experts)
+    devices = sorted({str(weight.device) for pair in weights for weight in pair})
+    if len(devices) != 1 or weights[0][0].device.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"convert_experts_to_torch: {name}'s expert weights are on {devices}; they are taken "
+            "over on one CPU or CUDA device. Move the model there (a meta-device model: "
+            "materialise and load its weights first, e.g. to_empty, then the checkpoint), then "
+            "convert. The model is unchanged.")
+    config = experts.config
+    etp_size = get_pg_size(experts.tp_group)
+    io_size = config.hidden_size if config.moe_latent_size is None else config.moe_latent_size
+    ffn = config.moe_ffn_hidden_size
+    shapes = ([ffn * (2 if config.gated_linear_unit else 1) // etp_size, io_size],
+              [io_size, ffn // etp_size])  # TorchGroupedMLP's fc1, fc2 (expert-TP shard)
+    for i, pair in enumerate(weights):
+        for fc, weight, shape in zip((1, 2), pair, shapes):
+            if list(weight.shape) != shape:
+                raise ValueError(
+                    f"convert_experts_to_torch: {name}: expert {i}'s linear_fc{fc} weight has "
+                    f"shape {list(weight.shape)}, expected {shape} from its config; load weights "
+                    "of the config's shapes, then convert. The model is unchanged.")
 
 
 def _refuse_wrapped_linears(experts, name: str) -> None:
@@ -121,15 +150,14 @@ def _build_config(experts):
 
 @torch.no_grad()
 def _torch_grouped_mlp_like(experts, name: str) -> TorchGroupedMLP:
-    new = TorchGroupedMLP(experts.num_local_experts, _build_config(experts),
-                          pg_collection=_compat.experts_process_groups(experts), name=name)
+    device = _expert_weights(experts)[0][0].device
+    # TorchGroupedMLP builds on the current CUDA device: make it the weights'.
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        new = TorchGroupedMLP(experts.num_local_experts, _build_config(experts),
+                              pg_collection=_compat.experts_process_groups(experts), name=name)
     for i, (fc1, fc2) in enumerate(_expert_weights(experts)):
-        for packed, weight in ((new.linear_fc1.packed_weight[i], fc1),
-                               (new.linear_fc2.packed_weight[i], fc2)):
-            if weight.shape != packed.shape:
-                raise ValueError(f"{name}: expert {i} weight has shape {list(weight.shape)}, "
-                                 f"expected {list(packed.shape)}")
-            packed.copy_(weight)
+        new.linear_fc1.packed_weight[i].copy_(fc1)
+        new.linear_fc2.packed_weight[i].copy_(fc2)
     for module in new.modules():
         module.config = experts.config  # the config the replaced module ran with
     new.requires_grad_(False)

@@ -5,6 +5,7 @@ expert's rows against its own weight in one launch. The fast path wants bf16 on 
 anything else is a loop inside torch.
 """
 
+import numbers
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -44,7 +45,12 @@ def group_offsets(tokens_per_expert: Splits, num_groups: int, num_rows: int,
     if isinstance(tokens_per_expert, torch.Tensor):
         splits = tokens_per_expert
     else:
-        splits = torch.tensor(list(tokens_per_expert), dtype=torch.int64)
+        counts = list(tokens_per_expert)
+        for count in counts:
+            if isinstance(count, bool) or not isinstance(count, numbers.Integral):
+                raise ValueError(f"tokens_per_expert must hold integer counts, got {count!r} "
+                                 f"({type(count).__name__}) in {counts}")
+        splits = torch.tensor(counts, dtype=torch.int64)
     if splits.dim() != 1 or splits.numel() != num_groups:
         raise ValueError(
             f"tokens_per_expert must hold one count per local expert: expected shape "

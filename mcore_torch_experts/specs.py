@@ -90,7 +90,8 @@ def _check_torch_experts(config: TransformerConfig, spec_kwargs: Mapping[str, ob
 
 
 def get_gpt_layer_with_transformer_engine_spec(config: TransformerConfig, **kwargs) -> ModuleSpec:
-    """Megatron's TE GPT layer spec for `config`; MoE experts follow moe_expert_gemm_backend."""
+    """Megatron's TE GPT layer spec for `config`, `kwargs` going to its builder (over the config's
+    settings); MoE experts follow moe_expert_gemm_backend."""
     torch_experts = _check_torch_experts(config, kwargs)
     builder = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec
     spec = builder(**_compat.gpt_layer_spec_kwargs(builder, config, **kwargs))
@@ -98,7 +99,8 @@ def get_gpt_layer_with_transformer_engine_spec(config: TransformerConfig, **kwar
 
 
 def get_gpt_layer_local_spec(config: TransformerConfig, **kwargs) -> ModuleSpec:
-    """Megatron's local (no TE) GPT layer spec for `config`; MoE experts follow the backend flag."""
+    """Megatron's local (no TE) GPT layer spec for `config`, `kwargs` going to its builder (over the
+    config's settings); MoE experts follow the backend flag."""
     torch_experts = _check_torch_experts(config, kwargs)
     builder = gpt_layer_specs.get_gpt_layer_local_spec
     spec = builder(**_compat.gpt_layer_spec_kwargs(builder, config, **kwargs))

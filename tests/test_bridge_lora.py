@@ -463,3 +463,21 @@ def test_merge_refuses_a_wrapper_passed_as_the_root_and_changes_nothing(bridge, 
         assert torch.equal(root.mlp.experts(x, splits, probs)[0], before)
         assert merge_bridge_lora(root.mlp.experts) == ["linear_fc1", "linear_fc2"]
         assert rel_err(root.mlp.experts(x, splits, probs)[0], before) < 1e-5
+
+
+def test_merge_refuses_a_disabled_adapter_and_changes_nothing(bridge, megatron_cpu):
+    """An adapter Bridge has disabled is not part of what the model computes: folding it in would
+    change the model, so the merge is refused, naming it, with every weight and wrapper as it was."""
+    config = make_config(dtype=torch.float32, moe_ffn_hidden_size=48)
+    root = experts_holder(config, megatron_cpu)
+    bridge["LoRA"](target_modules=["linear_fc1", "linear_fc2"], dim=16, alpha=8)(root)
+    randomize_adapters(root)
+    wrappers = [root.mlp.experts.linear_fc1, root.mlp.experts.linear_fc2]
+    packed = [wrapper.to_wrap.packed_weight.clone() for wrapper in wrappers]
+    wrappers[1].disable_adapter_layers()
+    with pytest.raises(ValueError, match=r"merge_bridge_lora: mlp\.experts\.linear_fc2's adapter is "
+                                         r"disabled .*nothing was merged\. Enable the adapters"):
+        merge_bridge_lora(root)
+    assert root.mlp.experts.linear_fc1 is wrappers[0] and root.mlp.experts.linear_fc2 is wrappers[1]
+    assert all(torch.equal(wrapper.to_wrap.packed_weight, weights)
+               for wrapper, weights in zip(wrappers, packed))

@@ -132,6 +132,8 @@ def test_poisoned_weights_of_idle_experts_do_not_leak(megatron_cpu):
     ([8, -2, 4, 2], "negative"),
     ([4, 4, 4, 4], "sums to 16 but the input has 12 rows"),
     (torch.tensor([3.0, 3.0, 3.0, 3.0]), "integer"),
+    ([3.5, 3.5, 3.0, 3.0], r"integer counts, got 3\.5 \(float\)"),  # truncated, would sum to 12
+    ([True, 3, 4, 4], r"integer counts, got True \(bool\)"),
     (torch.tensor([[6, 6], [0, 0]]), "one count per local expert"),
 ])
 def test_malformed_splits_raise(megatron_cpu, splits, message):

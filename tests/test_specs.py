@@ -7,11 +7,14 @@ import functools
 import importlib.util
 import inspect
 import pathlib
+import re
 
 import pytest
+import megatron.core
 import torch
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
@@ -248,3 +251,25 @@ def test_layer_spec_arguments_follow_the_builder_signature():
     installed = _compat.gpt_layer_spec_kwargs(builder, config)
     takes_legacy = "moe_use_legacy_grouped_gemm" in inspect.signature(builder).parameters
     assert installed.get("moe_use_legacy_grouped_gemm", None) is (False if takes_legacy else None)
+
+
+@pytest.mark.parametrize("helper", [specs.get_gpt_layer_local_spec,
+                                    specs.get_gpt_layer_with_transformer_engine_spec])
+def test_layer_spec_builders_refuse_an_argument_megatron_does_not_take(helper):
+    """A misspelled argument (or one only another release's builder takes) is an error naming it,
+    the installed megatron-core and the parameters its builder takes, not dropped."""
+    config = tiny_config(moe_expert_gemm_backend="torch", moe_grouped_gemm=True)
+    builder = getattr(gpt_layer_specs, helper.__name__)
+    accepted = ", ".join(inspect.signature(builder).parameters)
+    with pytest.raises(TypeError, match=re.escape(
+            f"{helper.__name__} of megatron-core {megatron.core.__version__} takes no argument "
+            f"'normalisation'; it takes {accepted}.")):
+        helper(config, normalisation="LayerNorm")
+
+
+def test_layer_spec_arguments_override_the_config_settings():
+    """A builder argument the helper also derives from the config (qk_layernorm) is the caller's."""
+    config = tiny_config(moe_expert_gemm_backend="torch", moe_grouped_gemm=True, qk_layernorm=False)
+    attention = specs.get_gpt_layer_local_spec(config, qk_layernorm=True).submodules.self_attention
+    assert attention.submodules.q_layernorm is not IdentityOp
+    assert attention.submodules.k_layernorm is not IdentityOp
