@@ -150,12 +150,13 @@ def _build_config(experts):
 
 @torch.no_grad()
 def _torch_grouped_mlp_like(experts, name: str) -> TorchGroupedMLP:
-    device = _expert_weights(experts)[0][0].device
+    weights = _expert_weights(experts)
+    device = weights[0][0].device
     # TorchGroupedMLP builds on the current CUDA device: make it the weights'.
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         new = TorchGroupedMLP(experts.num_local_experts, _build_config(experts),
                               pg_collection=_compat.experts_process_groups(experts), name=name)
-    for i, (fc1, fc2) in enumerate(_expert_weights(experts)):
+    for i, (fc1, fc2) in enumerate(weights):
         new.linear_fc1.packed_weight[i].copy_(fc1)
         new.linear_fc2.packed_weight[i].copy_(fc2)
     for module in new.modules():
