@@ -286,11 +286,16 @@ def test_bridge_hybrid_provider_trains_bridge_lora_on_cuda(megatron_world, monke
     from megatron.bridge.peft.lora import LoRA
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    from megatron.core.transformer.enums import AttnBackend
+
     model_parallel_cuda_manual_seed(0)
-    # The provider's default attention backend (flash) asserts these are unset or match it.
+    # The provider asserts these are unset or match its attention backend.
     for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
         monkeypatch.delenv(name, raising=False)
     provider = HybridModelProvider(
+        # The provider defaults to flash, which needs the flash-attn package; auto lets TE pick
+        # the backend it has (the experts are what this test is about).
+        attention_backend=AttnBackend.auto,
         num_layers=2, hybrid_layer_pattern="*E", hidden_size=256, num_attention_heads=4,
         ffn_hidden_size=512, num_moe_experts=8, moe_ffn_hidden_size=256, moe_router_topk=2,
         moe_grouped_gemm=True, moe_aux_loss_coeff=0.0, vocab_size=128, seq_length=64,
