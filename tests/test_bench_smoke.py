@@ -140,6 +140,48 @@ def test_cycle_memory_runs_on_a_tiny_slice(tmp_path):
     assert all(arm["trace_peak_gib"] > 0 for name, arm in report.items() if name != "header")
 
 
+def test_automodel_combine_bench_measures_each_peak_without_earlier_gradients():
+    """Each step's peak is taken from a state that holds no gradients: a gradient left by the
+    warm-up call is freed inside the measured call and would take its bytes off the peak."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import automodel_combine_bench as bench_module
+
+    class Bench:  # the methods measure() calls, with one gradient as the state
+        grad = None
+
+        def forward(self):
+            return torch.zeros(2)
+
+        def forward_backward(self):
+            self.grad = torch.ones(2)
+
+        def clear_grads(self):
+            self.grad = None
+
+        def with_variant(self, install, fn):
+            try:
+                return fn()
+            finally:
+                self.clear_grads()
+
+    bench, grads_at_start = Bench(), []
+
+    class Meter:
+        def peak_extra_bytes(self, fn):
+            grads_at_start.append(bench.grad)
+            fn()
+            return 0
+
+        def time(self, fn):
+            fn()
+            return 1.0, 1.0
+
+    rows = bench_module.measure(bench, {"shipped": (None, True)}, Meter(), repeats=1,
+                                mode="frozen")
+    assert [row["variant"] for row in rows] == ["shipped"] and "note" not in rows[0]
+    assert grads_at_start == [None, None]  # forward, then forward + backward
+
+
 def test_automodel_combine_bench_tiny(tmp_path):
     pytest.importorskip("nemo_automodel.components.moe.experts",
                         reason="nemo-automodel is not installed here (the megatron-core 0.19.2 "
