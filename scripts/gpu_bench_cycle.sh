@@ -20,6 +20,9 @@ if [ "${SKIP_SMOKE:-0}" != 1 ]; then
   python3 -m pytest -q -p no:cacheprovider tests/test_bench_smoke.py 2>&1 | tail -15 \
     | tee "$out/smoke.txt" || echo "[gpu_bench_cycle] the smoke failed (smoke.txt); benchmark next"
 fi
+# The default slices unless the options name their own (the report prints the command as run).
+slices=(--slices nemotron-3-super:4,qwen3-30b-a3b:4,qwen3-30b-a3b:16:3)
+for arg in "$@"; do case "$arg" in --slices|--slices=*) slices=() ;; esac; done
 python3 benchmarks/bench_cycle.py --out-dir "$out/cycle" \
   --stack te --expert-adapters "${EXPERT_ADAPTERS:-shared}" \
-  --slices nemotron-3-super:4,qwen3-30b-a3b:4,qwen3-30b-a3b:16:3 "$@" 2>&1 | tee "$out/cycle/log.txt"
+  "${slices[@]}" "$@" 2>&1 | tee "$out/cycle/log.txt"
