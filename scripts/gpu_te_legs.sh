@@ -10,8 +10,10 @@
 # (../shared/te-h200/README.md), carrying .te/w, .te/install.sh, .te/cu13.md5,
 # .te/transformer_engine_torch-2.20.2.tar.gz and .whl-legs:
 #   bash .te/install.sh && bash scripts/gpu_te_legs.sh OUT_DIR [LEGS] [-- pytest files]
-# LEG_TIMEOUT (default 420 s) bounds each leg. Prints one summary line per leg; exits non-zero
-# when a leg fails.
+# LEG_TIMEOUT (default 540 s) bounds each leg: the three legs side by side had not finished after
+# 350 s on the H200 (0.18.2 at 78%), so give the call its 600 s or run fewer legs per call. Every
+# test's result is logged as it ends (pytest -v), so a leg cut off by the timeout still names
+# its failures. Prints them and one summary line per leg; exits non-zero when a leg fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = --fetch ]; then
@@ -55,7 +57,7 @@ for leg in "${legs[@]}"; do
     export PYTHONPATH="/tmp/te/site:/tmp/site-$leg:$PWD"
     python3 -W ignore -c "import megatron.core as m, transformer_engine as te, torch; \
 print(f'[te leg {m.__version__}] torch {torch.__version__}, Transformer Engine {te.__version__}')"
-    timeout "${LEG_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -rs -n 4 \
+    timeout "${LEG_TIMEOUT:-540}" python3 -m pytest -v -p no:cacheprovider -rs -n 4 \
       --dist loadfile --junitxml="$out/junit-$leg.xml" "${files[@]}"
   ) > "$out/te_leg_$leg.log" 2>&1 &
   pids+=($!)
@@ -66,7 +68,7 @@ for i in "${!legs[@]}"; do
   rc=$?
   [ "$rc" -eq 0 ] || status=1
   leg=${legs[$i]}
-  grep -E "^FAILED|^ERROR" "$out/te_leg_$leg.log" | head -n 20
+  grep -E "^(FAILED|ERROR) |\] (FAILED|ERROR) " "$out/te_leg_$leg.log" | head -n 20
   line=$(grep -E "^=*\s*[0-9]+ (passed|failed|error)" "$out/te_leg_$leg.log" | tail -n 1 \
     | sed -E 's/=+//g; s/^ +| +$//g')
   echo "gpu_te_legs: megatron-core $leg with TE: ${line:-no summary} (exit $rc)"
