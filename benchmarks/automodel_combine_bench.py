@@ -15,7 +15,9 @@ default: hidden 7168, expert FFN 2048, 32 local experts, top-8, 16,384 and 65,53
 Times: median of --iters calls, --repeats times (variants interleaved; the median and range of
 the repeats); ratios to shipped from the same run. Peak memory above what is allocated at the
 call (weights, inputs); an OOM is recorded and the run goes on; --reserve-gib holds memory aside
-for the whole run, standing in for the rest of a model. FP64 reference and reproducibility (two
+for the whole run, standing in for the rest of a model; --headroom-gib H instead holds aside all
+the GPU has free once the module and inputs are built but H GiB, so a variant whose call needs
+more than H GiB runs out of memory (the report's OOM, on any GPU). FP64 reference and reproducibility (two
 runs, bitwise) at --check-tokens tokens. On a CPU-only machine use --tiny (wall clock, peak RSS,
 the triton kernel interpreted: checked, not measured). Writes automodel_combine_bench.md and
 .json to --out-dir. Needs nemo-automodel (installed without its dependencies), not Megatron-Core.
@@ -290,11 +292,18 @@ def parse_args():
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats (median, range)")
     parser.add_argument("--iters", type=int, default=5, help="calls per repeat (median)")
-    parser.add_argument("--reserve-gib", type=float, default=0.0,
+    memory = parser.add_mutually_exclusive_group()
+    memory.add_argument("--reserve-gib", type=float, default=0.0,
                         help="GiB held for the whole run (the rest of a model's memory)")
+    memory.add_argument("--headroom-gib", type=float,
+                        help="hold all free GPU memory but this many GiB once each token count's "
+                             "module and inputs are built (CUDA only)")
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.tiny:
         parser.error("no CUDA device: use --tiny for the CPU")
+    if args.headroom_gib is not None and (args.headroom_gib <= 0 or not torch.cuda.is_available()):
+        parser.error(f"--headroom-gib {args.headroom_gib:g}: needs a CUDA device and a positive "
+                     "count of GiB (--reserve-gib holds a fixed amount instead)")
     for name, default in (TINY if args.tiny else SHAPE).items():
         if getattr(args, name) is None:
             setattr(args, name, default)
@@ -302,8 +311,11 @@ def parse_args():
 
 
 def header(args, device, meter, triton_note):
+    held = (f"all free memory but {args.headroom_gib:g} GiB held aside while measuring (an OOM: "
+            f"the call needs more than {args.headroom_gib:g} GiB)" if args.headroom_gib else
+            f"{args.reserve_gib:g} GiB held aside while measuring")
     memory = (f"torch.cuda.max_memory_allocated() above memory_allocated() at the call (weights, "
-              f"inputs); {args.reserve_gib:g} GiB held aside while measuring" if meter.cuda else
+              f"inputs); {held}" if meter.cuda else
               "peak RSS above RSS at the call, run with "
               + " ".join(f"{k}={v}" for k, v in CPU_ENV.items()))
     return bench_header(device, packages=("triton", "nemo-automodel")) + [
@@ -317,6 +329,14 @@ def header(args, device, meter, triton_note):
         f"FP64 reference and bitwise reproducibility at {args.check_tokens} tokens; errors are "
         "max |error| / max |reference|",
         f"triton kernel: {triton_note}"]
+
+
+def hold_all_but(headroom_gib, device):
+    """A tensor holding the GPU's free memory but headroom_gib GiB (the allocator's cache
+    returned first)."""
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info(device)[0]
+    return torch.empty(max(0, free - int(headroom_gib * GIB)), dtype=torch.uint8, device=device)
 
 
 def main():
@@ -339,13 +359,14 @@ def main():
               f"{rows_n * args.hidden * 2 / GIB:.2f} GiB bf16, its FP32 copy "
               f"{rows_n * args.hidden * 4 / GIB:.2f} GiB", flush=True)
         module, inputs = build_experts(args, device), make_inputs(tokens, args, device)
+        headroom = hold_all_but(args.headroom_gib, device) if args.headroom_gib else None
         for mode in args.modes:
             rows = measure(Bench(automodel, module, inputs, mode), installs, meter, args.repeats,
                            mode)
             body += table(f"{tokens} tokens, experts {mode} ({rows_n} routed rows)", rows,
                           MEASURE_COLUMNS, unit)
             data["measured"].append({"tokens": tokens, "experts": mode, "rows": rows})
-        del module, inputs
+        del module, inputs, headroom
     del reserve  # the check measures no memory; its FP64 copies need room
     print(f"\n[check] {args.check_tokens} tokens against FP64", flush=True)
     module = build_experts(args, device)

@@ -182,6 +182,16 @@ def test_automodel_combine_bench_measures_each_peak_without_earlier_gradients():
     assert grads_at_start == [None, None]  # forward, then forward + backward
 
 
+@pytest.mark.parametrize("options, message", [
+    (["--headroom-gib", "0"], "--headroom-gib 0: needs a CUDA device and a positive count of GiB"),
+    (["--headroom-gib", "1", "--reserve-gib", "1"], "not allowed with argument --headroom-gib")])
+def test_automodel_combine_bench_refuses_a_headroom_it_cannot_hold(options, message):
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "automodel_combine_bench.py"),
+                           "--tiny", *options], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+
+
 def test_automodel_combine_bench_tiny(tmp_path):
     pytest.importorskip("nemo_automodel.components.moe.experts",
                         reason="nemo-automodel is not installed here (the megatron-core 0.19.2 "
