@@ -12,8 +12,8 @@
 #   bash .te/install.sh && bash scripts/gpu_te_legs.sh OUT_DIR [LEGS] [-- pytest files]
 # LEG_TIMEOUT (default 540 s) bounds each leg: the three legs side by side had not finished after
 # 350 s on the H200 (0.18.2 at 78%), so give the call its 600 s or run fewer legs per call. Every
-# test's result is logged as it ends (pytest -v), so a leg cut off by the timeout still names
-# its failures. Prints them and one summary line per leg; exits non-zero when a leg fails.
+# test's result is logged as it ends (pytest -v), and the timeout interrupts pytest (SIGINT) so
+# that it still prints its summary: a leg cut off by the timeout still names its failures. Prints them and one summary line per leg; exits non-zero when a leg fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = --fetch ]; then
@@ -57,7 +57,7 @@ for leg in "${legs[@]}"; do
     export PYTHONPATH="/tmp/te/site:/tmp/site-$leg:$PWD"
     python3 -W ignore -c "import megatron.core as m, transformer_engine as te, torch; \
 print(f'[te leg {m.__version__}] torch {torch.__version__}, Transformer Engine {te.__version__}')"
-    timeout "${LEG_TIMEOUT:-540}" python3 -m pytest -v -p no:cacheprovider -rs -n 4 \
+    timeout -s INT -k 30 "${LEG_TIMEOUT:-540}" python3 -m pytest -v -p no:cacheprovider -rfEs -n 4 \
       --dist loadfile --junitxml="$out/junit-$leg.xml" "${files[@]}"
   ) > "$out/te_leg_$leg.log" 2>&1 &
   pids+=($!)

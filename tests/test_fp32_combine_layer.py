@@ -320,5 +320,10 @@ def test_fp32_combine_reads_the_routing_map_under_the_fused_permutation(megatron
     assert torch.equal(fused_out, out)
     if device == "cpu":
         assert torch.equal(fused_dx, dx)
-    else:  # the permutation's backward sums rows with CUDA atomics: the order differs per run
-        torch.testing.assert_close(fused_dx, dx)
+    else:
+        # The permutation's backward sums each token's rows with BF16 CUDA atomics, in an order
+        # that differs run to run; where the sum nearly cancels, an elementwise tolerance fails
+        # at random. Against the gradient's scale the two agree to BF16 rounding (a misread
+        # routing map would be off by whole rows).
+        error = (fused_dx.float() - dx.float()).abs().max() / dx.float().abs().max()
+        assert error < 1e-2, error
