@@ -384,15 +384,16 @@ def parse_args():
                              "16-layer TE profile takes minutes)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny slices (and the tiny hybrid on the TE stack), seq 32, 2 "
-                             "micro-batches of 2, 2 measured rounds, per-expert adapters; on "
-                             "the GPU when there is one (the TE arms too), else on the CPU")
-    args = parser.parse_args()
-    if args.smoke:
-        args.seq, args.micro_batch_size, args.micro_batches, args.rank = 32, 2, 2, 8
-        args.warmup, args.cycles, args.expert_adapters = 1, 2, "per_expert"
+                             "micro-batches of 2, 2 measured rounds, per-expert adapters, rank "
+                             "8 (options given beside it win); on the GPU when there is one (the "
+                             "TE arms too), else on the CPU (allgather dispatcher)")
+    if parser.parse_known_args()[0].smoke:  # the smoke's sizes as defaults: what is given wins
+        parser.set_defaults(seq=32, micro_batch_size=2, micro_batches=2, rank=8, warmup=1,
+                            cycles=2, expert_adapters="per_expert")
         if not torch.cuda.is_available():
-            args.dispatcher = "allgather"  # the alltoall dispatcher needs CUDA streams
+            parser.set_defaults(dispatcher="allgather")  # alltoall needs CUDA streams
             torch.set_num_threads(1)
+    args = parser.parse_args()
     layouts = args.expert_adapters.split(",")
     if set(layouts) - set(cm.EXPERT_ADAPTERS) or not layouts:
         parser.error(f"--expert-adapters {args.expert_adapters!r}: choose from "
@@ -409,10 +410,9 @@ def main():
     if set(arms) - set(cm.ARMS):
         parser.error(f"unknown arms {sorted(set(arms) - set(cm.ARMS))}; choose from "
                      f"{list(cm.ARMS)}")
-    if args.smoke:
-        args.slices = "tiny:2,tiny-hybrid:1" if stack == "te" else "tiny:2"
-    elif args.slices == "auto":
-        args.slices = DEFAULT_SLICES[stack]
+    if args.slices == "auto":
+        smoke_slices = "tiny:2,tiny-hybrid:1" if stack == "te" else "tiny:2"
+        args.slices = smoke_slices if args.smoke else DEFAULT_SLICES[stack]
     slices = parse_slices(args.slices, parser)
     args.adapters = cm.adapter_source(args.adapters)
     for noise in (".*Transformer Engine and Apex are not installed.*", "full scope is deprecated"):

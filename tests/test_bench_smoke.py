@@ -83,6 +83,19 @@ def test_bench_cycle_smoke(tmp_path):
         assert all("note" not in row and row["logprob_diff"] < 1e-2 for row in hybrid.values())
 
 
+def test_bench_cycle_smoke_keeps_the_options_given_beside_it(tmp_path):
+    """--smoke sets sizes only where no option says otherwise: both adapter layouts run, as
+    asked, at the rank and round count given."""
+    run_benchmark("bench_cycle.py", "--smoke", "--adapters", "ours", "--expert-adapters",
+                  "shared,per_expert", "--rank", "16", "--cycles", "3", "--arms", "torch",
+                  "--no-profile", "--out-dir", str(tmp_path))
+    report = json.loads((tmp_path / "results.json").read_text())
+    rows = report["slices"][0]["rows"]
+    assert sorted(row["layout"] for row in rows) == ["per_expert", "shared"]
+    assert all(len(row["cycles_ms"]) == 3 for row in rows), rows
+    assert (report["args"]["rank"], report["args"]["seq"]) == ("16", "32")  # stored as text
+
+
 def test_bench_cycle_smoke_at_ep2_under_torchrun(tmp_path):
     """--ep 2 on two CPU processes (gloo, allgather dispatcher): both arms run on every rank, with
     4 of the tiny slice's 8 experts per rank, and their logprobs agree on every rank. Our adapters
