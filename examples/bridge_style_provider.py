@@ -22,7 +22,8 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from cpu_support import describe_layers, frozen_experts_step, init_single_process_megatron
+from cpu_support import (describe_layers, frozen_experts_step, init_single_process_megatron,
+                         shutdown_megatron)
 from mcore_torch_experts import TorchExpertsTransformerConfig
 from mcore_torch_experts.specs import gpt_transformer_layer_spec
 
@@ -72,4 +73,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        shutdown_megatron()

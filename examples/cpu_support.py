@@ -142,6 +142,16 @@ def init_single_process_megatron(on_cpu: bool = None) -> None:
         model_parallel_cuda_manual_seed(1234)
 
 
+def shutdown_megatron() -> None:
+    """Undo init_single_process_megatron: Megatron's parallel state, then the process group (NCCL
+    warns at exit about a group never destroyed)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def frozen_experts_step(model, vocab_size: int, seq_length: int, batch: int = 2) -> float:
     """Freeze the expert base (as adapter training does), run one forward/backward of random
     tokens through a GPTModel with an explicit causal mask, and return the loss."""

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from cpu_support import init_single_process_megatron
+from cpu_support import init_single_process_megatron, shutdown_megatron
 from mcore_torch_experts import TorchExpertsTransformerConfig, TorchGroupedMLP, build_moe_layer
 
 
@@ -95,4 +95,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        shutdown_megatron()

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from megatron.core.models.gpt import GPTModel
 
-from cpu_support import init_single_process_megatron
+from cpu_support import init_single_process_megatron, shutdown_megatron
 from mcore_torch_experts import TorchExpertsTransformerConfig, TorchGroupedMLP, build_moe_layer
 from mcore_torch_experts.lora import (
     apply_lora,
@@ -303,4 +303,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        shutdown_megatron()

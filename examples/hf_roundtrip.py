@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from cpu_support import import_megatron_bridge, init_single_process_megatron
+from cpu_support import import_megatron_bridge, init_single_process_megatron, shutdown_megatron
 from mcore_torch_experts import apply_lora, lora_parameters, register_with_megatron_bridge
 from mcore_torch_experts.lora import LoRALinear, PerExpertLoRAAdapter
 from mcore_torch_experts.specs import gpt_transformer_layer_spec
@@ -237,4 +237,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        shutdown_megatron()

@@ -19,7 +19,8 @@ import json
 import torch
 from megatron.core.models.gpt import GPTModel
 
-from cpu_support import describe_layers, frozen_experts_step, init_single_process_megatron
+from cpu_support import (describe_layers, frozen_experts_step, init_single_process_megatron,
+                         shutdown_megatron)
 from mcore_torch_experts import TorchExpertsTransformerConfig
 from mcore_torch_experts.config import BACKENDS
 from mcore_torch_experts.specs import torch_experts_gpt_spec
@@ -90,4 +91,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        shutdown_megatron()
