@@ -15,7 +15,7 @@ from megatron.core.utils import get_pg_size
 
 from . import _compat
 from .config import validate_torch_experts_config
-from .experts import TorchGroupedMLP
+from .experts import TorchGroupedMLP, local_weight_shapes
 from .recompute import install_frozen_input_guard
 
 
@@ -99,12 +99,7 @@ def _refuse_unusable_weights(experts, name: str) -> None:
             "over on one CPU or CUDA device. Move the model there (a meta-device model: "
             "materialise and load its weights first, e.g. to_empty, then the checkpoint), then "
             "convert. The model is unchanged.")
-    config = experts.config
-    etp_size = get_pg_size(experts.tp_group)
-    io_size = config.hidden_size if config.moe_latent_size is None else config.moe_latent_size
-    ffn = config.moe_ffn_hidden_size
-    shapes = ([ffn * (2 if config.gated_linear_unit else 1) // etp_size, io_size],
-              [io_size, ffn // etp_size])  # TorchGroupedMLP's fc1, fc2 (expert-TP shard)
+    shapes = local_weight_shapes(experts.config, get_pg_size(experts.tp_group))
     for i, pair in enumerate(weights):
         for fc, weight, shape in zip((1, 2), pair, shapes):
             if list(weight.shape) != shape:

@@ -169,6 +169,19 @@ class TorchGroupedLinear(PackedExpertWeights):
                 f"grouped_mm={self.grouped_mm_name}")
 
 
+def expert_io_size(config: TransformerConfig) -> int:
+    """The width the experts read and write: moe_latent_size when set, else hidden_size."""
+    return config.hidden_size if config.moe_latent_size is None else config.moe_latent_size
+
+
+def local_weight_shapes(config: TransformerConfig, etp_size: int) -> tuple:
+    """Each expert's [out, in] weight shapes of linear_fc1 and linear_fc2 on one expert-TP rank,
+    as TorchGroupedMLP packs them (fc1 holds gate and up under GLU)."""
+    io_size, ffn = expert_io_size(config), config.moe_ffn_hidden_size
+    return ([ffn * (2 if config.gated_linear_unit else 1) // etp_size, io_size],
+            [io_size, ffn // etp_size])
+
+
 class TorchGroupedMLP(MegatronModule):
     """Drop-in experts module: fc1 grouped GEMM, activation x probs (FP32), fc2 grouped GEMM.
 
@@ -196,7 +209,7 @@ class TorchGroupedMLP(MegatronModule):
                 f"num_local_experts={num_local_experts} x expert parallel size {ep_size} != "
                 f"num_moe_experts={config.num_moe_experts}"
             )
-        io_size = config.hidden_size if config.moe_latent_size is None else config.moe_latent_size
+        io_size = expert_io_size(config)
         glu = config.gated_linear_unit
         prefix = f"{name}." if name else ""
         self.linear_fc1 = TorchGroupedLinear(
