@@ -17,9 +17,10 @@ def interpreter_is_on() -> bool:
 
 def run_interpreted(*pytest_args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """`python -m pytest *pytest_args` from the repository root under TRITON_INTERPRET=1; skip
-    reasons reported (-rs)."""
+    reasons reported (-rs); a failure reports its traceback without captured output or logs
+    (torch's debug logs would fill the tail that the parent shows)."""
     return subprocess.run(
         [sys.executable, "-m", "pytest", *pytest_args, "-q", "-p", "no:cacheprovider",
-         "-W", "ignore", "-rs"],
+         "-W", "ignore", "-rs", "--show-capture=no"],
         env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=ROOT, capture_output=True, text=True,
         timeout=timeout)
