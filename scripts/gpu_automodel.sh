@@ -8,7 +8,7 @@
 # fp32_combine; the FP64 check and run-to-run reproducibility), fails when an error against FP64
 # exceeds BF16 rounding, then runs it again at 65,536 tokens with 30 GiB of headroom (all other
 # free memory held aside): there the shipped module runs out of memory (it needs 33.8 GiB frozen,
-# 35.8 trainable) and fp32_combine does not (20.0, 23.8). The first part took 2.5 minutes on the
+# 35.8 trainable) and fp32_combine does not (20.0, 23.8). Both parts took 3.7 minutes on the
 # H200 (2026-12-01). Results and logs land in OUT_DIR/automodel and OUT_DIR/automodel/near_oom.
 set -euo pipefail
 cd "$(dirname "$0")/.."

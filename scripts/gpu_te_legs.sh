@@ -42,9 +42,9 @@ files=("$@")
   tests/test_fp32_combine_layer.py)
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-python3 -c "import transformer_engine as te; print('Transformer Engine', te.__version__)" \
-  2>/dev/null | tail -n 1 | grep -q "Transformer Engine" \
-  || { echo "gpu_te_legs: Transformer Engine does not import (run .te/install.sh first)"; exit 1; }
+PYTHONPATH=/tmp/te/site python3 -c \
+  "import transformer_engine as te; print('Transformer Engine', te.__version__)" 2>/dev/null | tail -n 1 | grep -q "Transformer Engine" \
+  || { echo "gpu_te_legs: Transformer Engine does not import from /tmp/te/site (run .te/install.sh first)"; exit 1; }
 for leg in "${legs[@]}"; do
   wheel=$(ls .whl-legs/megatron_core-"$leg"-*.whl 2>/dev/null | head -n 1)
   [ -n "$wheel" ] || { echo "gpu_te_legs: no megatron-core $leg wheel in .whl-legs (--fetch)"; exit 1; }
