@@ -60,10 +60,8 @@ class TorchGroupedLinear(PackedExpertWeights):
                  config: TransformerConfig, init_method, parallel_mode: str, stride: int,
                  pg_collection, name: str):
         tp_size = get_pg_size(pg_collection.expt_tp)
-        if parallel_mode == "column":
-            local_out, local_in, partition_dim = output_size // tp_size, input_size, 0
-        else:
-            local_out, local_in, partition_dim = output_size, input_size // tp_size, 1
+        local_out, local_in, partition_dim = local_shard(input_size, output_size, parallel_mode,
+                                                         tp_size)
         device = torch.device("cpu") if config.use_cpu_initialization else torch.device(
             "cuda", torch.cuda.current_device())
         super().__init__(num_experts, local_out, local_in, dtype=config.params_dtype,
@@ -169,17 +167,27 @@ class TorchGroupedLinear(PackedExpertWeights):
                 f"grouped_mm={self.grouped_mm_name}")
 
 
-def expert_io_size(config: TransformerConfig) -> int:
-    """The width the experts read and write: moe_latent_size when set, else hidden_size."""
-    return config.hidden_size if config.moe_latent_size is None else config.moe_latent_size
+def local_shard(input_size: int, output_size: int, parallel_mode: str, tp_size: int) -> tuple:
+    """(local_out, local_in, partition_dim) of one expert linear on one expert-TP rank: a column-
+    parallel linear splits its output, a row-parallel one its input."""
+    if parallel_mode == "column":
+        return output_size // tp_size, input_size, 0
+    return output_size, input_size // tp_size, 1
+
+
+def expert_linear_sizes(config: TransformerConfig) -> tuple:
+    """((input, output) of linear_fc1, of linear_fc2), unsharded: the experts read and write
+    moe_latent_size when set, else hidden_size; fc1 holds gate and up under GLU."""
+    io_size = config.hidden_size if config.moe_latent_size is None else config.moe_latent_size
+    ffn = config.moe_ffn_hidden_size
+    return (io_size, ffn * (2 if config.gated_linear_unit else 1)), (ffn, io_size)
 
 
 def local_weight_shapes(config: TransformerConfig, etp_size: int) -> tuple:
     """Each expert's [out, in] weight shapes of linear_fc1 and linear_fc2 on one expert-TP rank,
-    as TorchGroupedMLP packs them (fc1 holds gate and up under GLU)."""
-    io_size, ffn = expert_io_size(config), config.moe_ffn_hidden_size
-    return ([ffn * (2 if config.gated_linear_unit else 1) // etp_size, io_size],
-            [io_size, ffn // etp_size])
+    as TorchGroupedMLP packs them."""
+    return tuple(list(local_shard(*sizes, mode, etp_size)[:2])
+                 for sizes, mode in zip(expert_linear_sizes(config), ("column", "row")))
 
 
 class TorchGroupedMLP(MegatronModule):
@@ -209,15 +217,15 @@ class TorchGroupedMLP(MegatronModule):
                 f"num_local_experts={num_local_experts} x expert parallel size {ep_size} != "
                 f"num_moe_experts={config.num_moe_experts}"
             )
-        io_size = expert_io_size(config)
-        glu = config.gated_linear_unit
+        fc1_sizes, fc2_sizes = expert_linear_sizes(config)
         prefix = f"{name}." if name else ""
         self.linear_fc1 = TorchGroupedLinear(
-            num_local_experts, io_size, config.moe_ffn_hidden_size * (2 if glu else 1),
+            num_local_experts, *fc1_sizes,
             config=config, init_method=config.init_method, parallel_mode="column",
-            stride=2 if glu else 1, pg_collection=pg_collection, name=f"{prefix}linear_fc1")
+            stride=2 if config.gated_linear_unit else 1, pg_collection=pg_collection,
+            name=f"{prefix}linear_fc1")
         self.linear_fc2 = TorchGroupedLinear(
-            num_local_experts, config.moe_ffn_hidden_size, io_size,
+            num_local_experts, *fc2_sizes,
             config=config, init_method=config.output_layer_init_method, parallel_mode="row",
             stride=1, pg_collection=pg_collection, name=f"{prefix}linear_fc2")
         self.grouped_mm_name = self.linear_fc1.grouped_mm_name
