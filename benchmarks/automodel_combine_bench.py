@@ -17,8 +17,8 @@ the repeats); ratios to shipped from the same run. Peak memory above what is all
 call (weights, inputs); an OOM is recorded and the run goes on; --reserve-gib holds memory aside
 for the whole run, standing in for the rest of a model; --headroom-gib H instead holds aside all
 the GPU has free once the module and inputs are built but H GiB, so a variant whose call needs
-more than H GiB runs out of memory (the report's OOM, on any GPU). FP64 reference and reproducibility (two
-runs, bitwise) at --check-tokens tokens. On a CPU-only machine use --tiny (wall clock, peak RSS,
+more than H GiB runs out of memory (the report's OOM, on any GPU). FP64 reference and
+reproducibility (two runs, bitwise) at --check-tokens tokens. On a CPU-only machine use --tiny (wall clock, peak RSS,
 the triton kernel interpreted: checked, not measured). Writes automodel_combine_bench.md and
 .json to --out-dir. Needs nemo-automodel (installed without its dependencies), not Megatron-Core.
 

@@ -13,7 +13,8 @@
 # LEG_TIMEOUT (default 540 s) bounds each leg: the three legs side by side had not finished after
 # 350 s on the H200 (0.18.2 at 78%), so give the call its 600 s or run fewer legs per call. Every
 # test's result is logged as it ends (pytest -v), and the timeout interrupts pytest (SIGINT) so
-# that it still prints its summary: a leg cut off by the timeout still names its failures. Prints them and one summary line per leg; exits non-zero when a leg fails.
+# that it still prints its summary: a leg cut off by the timeout still names its failures.
+# Prints them and one summary line per leg; exits non-zero when a leg fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = --fetch ]; then
@@ -43,8 +44,10 @@ files=("$@")
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 PYTHONPATH=/tmp/te/site python3 -c \
-  "import transformer_engine as te; print('Transformer Engine', te.__version__)" 2>/dev/null | tail -n 1 | grep -q "Transformer Engine" \
-  || { echo "gpu_te_legs: Transformer Engine does not import from /tmp/te/site (run .te/install.sh first)"; exit 1; }
+  "import transformer_engine as te; print('Transformer Engine', te.__version__)" 2>/dev/null \
+  | tail -n 1 | grep -q "Transformer Engine" \
+  || { echo "gpu_te_legs: Transformer Engine does not import from /tmp/te/site" \
+         "(run .te/install.sh first)"; exit 1; }
 for leg in "${legs[@]}"; do
   wheel=$(ls .whl-legs/megatron_core-"$leg"-*.whl 2>/dev/null | head -n 1)
   [ -n "$wheel" ] || { echo "gpu_te_legs: no megatron-core $leg wheel in .whl-legs (--fetch)"; exit 1; }

@@ -285,7 +285,6 @@ def test_bridge_hybrid_provider_trains_bridge_lora_on_cuda(megatron_world, monke
     from megatron.bridge.models.hybrid.hybrid_provider import HybridModelProvider
     from megatron.bridge.peft.lora import LoRA
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
     from megatron.core.transformer.enums import AttnBackend
 
     model_parallel_cuda_manual_seed(0)
