@@ -22,7 +22,7 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from cpu_support import (describe_layers, frozen_experts_step, init_single_process_megatron,
+from cpu_support import (describe_layers, training_step_loss, init_single_process_megatron,
                          shutdown_megatron)
 from mcore_torch_experts import TorchExpertsTransformerConfig
 from mcore_torch_experts.specs import gpt_transformer_layer_spec
@@ -66,7 +66,7 @@ def main():
     torch.manual_seed(0)
     model = provider.provide().to("cpu" if on_cpu else "cuda")
     device = next(model.parameters()).device
-    loss = frozen_experts_step(model, provider.vocab_size, provider.seq_length)
+    loss = training_step_loss(model, provider.vocab_size, provider.seq_length)
     layers = describe_layers(model)
     print(f"bridge_style_provider (model_overrides {MODEL_OVERRIDES}): layers [{layers}]; "
           f"loss {loss:.3f} on {device}")

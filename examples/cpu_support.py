@@ -152,12 +152,9 @@ def shutdown_megatron() -> None:
         torch.distributed.destroy_process_group()
 
 
-def frozen_experts_step(model, vocab_size: int, seq_length: int, batch: int = 2) -> float:
-    """Freeze the expert base (as adapter training does), run one forward/backward of random
-    tokens through a GPTModel with an explicit causal mask, and return the loss."""
-    for name, param in model.named_parameters():
-        if ".mlp.experts." in name:
-            param.requires_grad_(False)
+def training_step_loss(model, vocab_size: int, seq_length: int, batch: int = 2) -> float:
+    """One forward/backward of random tokens through a GPTModel with an explicit causal mask,
+    every parameter as built (TorchGroupedMLP's expert weights frozen); returns the loss."""
     device = next(model.parameters()).device
     tokens = torch.randint(0, vocab_size, (batch, seq_length + 1), device=device)
     positions = torch.arange(seq_length, device=device).expand(batch, -1)

@@ -19,7 +19,7 @@ import json
 import torch
 from megatron.core.models.gpt import GPTModel
 
-from cpu_support import (describe_layers, frozen_experts_step, init_single_process_megatron,
+from cpu_support import (describe_layers, training_step_loss, init_single_process_megatron,
                          shutdown_megatron)
 from mcore_torch_experts import TorchExpertsTransformerConfig
 from mcore_torch_experts.config import BACKENDS
@@ -85,7 +85,7 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     model = model_provider().to(device)
-    loss = frozen_experts_step(model, args.padded_vocab_size, args.seq_length)
+    loss = training_step_loss(model, args.padded_vocab_size, args.seq_length)
     print(f"megatron_lm_provider (--moe-expert-gemm-backend {args.moe_expert_gemm_backend}): "
           f"layers [{describe_layers(model)}]; loss {loss:.3f} on {device}")
 

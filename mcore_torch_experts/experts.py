@@ -6,6 +6,8 @@ and state-dict keys are those of TEGroupedMLP and nothing new is checkpointed.
 """
 
 import contextlib
+import logging
+import weakref
 from typing import Callable, List, Optional
 
 import torch
@@ -37,6 +39,35 @@ from .packing import PackedExpertWeights
 ON_BUILD: List[Callable[[], None]] = []
 """Called, without arguments, whenever a TorchGroupedMLP is built: integrations that must know
 the experts before they are used add themselves here."""
+
+logger = logging.getLogger("mcore_torch_experts")
+_BUILT: "weakref.WeakSet[TorchGroupedMLP]" = weakref.WeakSet()
+_summary_logged = False
+
+
+def experts_summary() -> str:
+    """One line on the TorchGroupedMLP modules alive in this process: how many, their expert
+    weights (how many frozen, packed size) and the kernels they run."""
+    modules = sorted(_BUILT, key=id)
+    linears = [linear for m in modules for linear in (m.linear_fc1, m.linear_fc2)]
+    weights = [w for linear in linears for w in linear.expert_weights()]
+    frozen = sum(not w.requires_grad for w in weights)
+    gib = sum(linear.packed_weight.numel() * linear.packed_weight.element_size()
+              for linear in linears) / 2**30
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    kernels = sorted({f"{m.grouped_mm_name}, expert kernel {m.expert_kernel_impl}, "
+                      f"activation {m.activation_impl}" for m in modules})
+    return (f"mcore_torch_experts: rank {rank} runs TorchGroupedMLP experts in {len(modules)} "
+            f"MoE layer(s): {len(weights)} expert weights ({gib:.2f} GiB packed), {frozen} of them "
+            f"frozen; {'; '.join(kernels)}")
+
+
+def _log_summary_once() -> None:
+    """Log experts_summary() at the first forward of any TorchGroupedMLP in this process (every
+    module is built by then)."""
+    global _summary_logged
+    _summary_logged = True
+    logger.info(experts_summary())
 
 
 def _expert_rng_fork():
@@ -240,6 +271,7 @@ class TorchGroupedMLP(MegatronModule):
         the activation's backward in its epilogue (Triton, fused_experts_triton.py), fc2 forward and
         fc1's input gradient on grouped_mm; "grouped_mm": four grouped_mm GEMMs with the activation
         between them (`activation_impl`). Resolved from `moe_expert_kernel` at construction."""
+        _BUILT.add(self)
 
     def activation(self, fc1_out: torch.Tensor) -> torch.Tensor:
         """Megatron's expert activation: act(x), or act(gate) * (up + offset) for GLU."""
@@ -261,6 +293,8 @@ class TorchGroupedMLP(MegatronModule):
         the fc1 input gradient, which MoELayer (0.19) passes only when set. As on TEGroupedMLP's
         path without the TE op fuser, a buffer is refused: the config refusal
         (moe_ncclep_zero_copy) keeps the dispatcher from making them."""
+        if not _summary_logged:
+            _log_summary_once()
         if output_buffer is not None or grad_input_buffer is not None:
             given = [name for name, buffer in (("output_buffer", output_buffer),
                                                ("grad_input_buffer", grad_input_buffer))

@@ -18,10 +18,11 @@ from typing import List, Optional
 import torch
 
 TRAINABLE_BASE_ERROR = (
-    "TorchGroupedMLP runs frozen expert weights only, but {name}.{param} requires grad. Freeze the "
-    "expert base before training (for example `p.requires_grad_(False)` for every "
-    "`*.experts.linear_fc*.weight*`, as PEFT/LoRA does) or set "
-    "moe_expert_gemm_backend='transformer_engine' to train the expert weights."
+    "TorchGroupedMLP runs frozen expert weights only: it builds them frozen, but {name}.{param} "
+    "requires grad (set after the build, or a trainable replacement). Keep the expert base frozen "
+    "(`p.requires_grad_(False)` for every `*.experts.linear_fc*.weight*`; adapters on top train), or "
+    "build Megatron's experts to train them (moe_expert_gemm_backend='transformer_engine'; from a "
+    "launcher, leave out the mcore_torch_experts spec)."
 )
 
 
@@ -32,8 +33,8 @@ def _shares_memory(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
 
 
 class PackedExpertWeights(torch.nn.Module):
-    """`weight0 .. weight{E-1}` [out, in], views of the non-persistent buffer `packed_weight`
-    [E, out, in] (uninitialised); `name` prefixes error messages."""
+    """`weight0 .. weight{E-1}` [out, in], frozen views of the non-persistent buffer
+    `packed_weight` [E, out, in] (uninitialised); `name` prefixes error messages."""
 
     def __init__(self, num_experts: int, out_features: int, in_features: int, *,
                  dtype: torch.dtype, device: torch.device, name: str):
@@ -53,7 +54,7 @@ class PackedExpertWeights(torch.nn.Module):
         a tensor put in `_parameters` without registering (torch.func.functional_call) is a
         substitute for one call."""
         for i in range(num_experts):
-            self.register_parameter(f"weight{i}", torch.nn.Parameter(packed[i]))
+            self.register_parameter(f"weight{i}", torch.nn.Parameter(packed[i], requires_grad=False))
 
     def expert_weights(self) -> List[torch.Tensor]:
         """The tensors now held as `weight0 .. weight{E-1}` (substitutes during a

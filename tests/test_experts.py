@@ -150,12 +150,27 @@ def test_wrong_input_width_and_dtype_raise(megatron_cpu):
         experts(torch.randn(4, HIDDEN), [1, 1, 1, 1], torch.rand(4))
 
 
-def test_trainable_base_weights_are_refused_under_grad_mode(megatron_cpu):
+def test_expert_weights_are_built_frozen_and_a_grad_mode_forward_runs(megatron_cpu):
+    """A client that trains every weight it is given (Megatron-LM, a full-parameter recipe)
+    gets frozen experts: the module builds them so, and the input gradient flows."""
     torch.manual_seed(0)
     config = make_config(hidden=HIDDEN)
-    experts = TorchGroupedMLP(4, config, pg_collection=megatron_cpu)  # built trainable, as PEFT does
+    experts = TorchGroupedMLP(4, config, pg_collection=megatron_cpu)
+    assert not any(p.requires_grad for p in experts.parameters())
+    x = torch.randn(4, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
+    out, _ = experts(x, [1, 1, 1, 1], torch.rand(4))
+    out.float().sum().backward()
+    assert x.grad.abs().sum() > 0
+
+
+def test_base_weights_made_trainable_after_the_build_are_refused_under_grad_mode(megatron_cpu):
+    torch.manual_seed(0)
+    config = make_config(hidden=HIDDEN)
+    experts = TorchGroupedMLP(4, config, pg_collection=megatron_cpu)
+    experts.linear_fc2.weight3.requires_grad_(True)
     x, probs = torch.randn(4, HIDDEN).bfloat16(), torch.rand(4)
-    with pytest.raises(RuntimeError, match="requires grad. Freeze the expert base"):
+    with pytest.raises(RuntimeError, match=r"linear_fc2.weight3 requires grad .* Keep the expert "
+                                           r"base frozen"):
         experts(x, [1, 1, 1, 1], probs)
     with torch.no_grad():
         out, _ = experts(x, [1, 1, 1, 1], probs)
@@ -283,3 +298,27 @@ def test_column_major_input_and_gradient(megatron_cpu, case):
     for out, grad in results:
         assert rel_err(out, ref_out) < TOL[torch.bfloat16]
         assert rel_err(grad, ref_grad) < TOL[torch.bfloat16]
+
+
+def test_the_first_forward_logs_once_what_this_process_runs(megatron_cpu, monkeypatch, caplog):
+    """One line per rank says that TorchGroupedMLP runs, in how many layers, and how many of
+    its expert weights are frozen; later forwards add nothing."""
+    import weakref
+
+    from mcore_torch_experts import experts as experts_module
+
+    monkeypatch.setattr(experts_module, "_BUILT", weakref.WeakSet())
+    monkeypatch.setattr(experts_module, "_summary_logged", False)
+    config = make_config(hidden=HIDDEN)
+    layers = [TorchGroupedMLP(4, config, pg_collection=megatron_cpu) for _ in range(2)]
+    layers[1].linear_fc1.weight2.requires_grad_(True)
+    x, probs = torch.randn(4, HIDDEN).bfloat16(), torch.rand(4)
+    with caplog.at_level("INFO", logger="mcore_torch_experts"), torch.no_grad():
+        for layer in layers:
+            layer(x, [1, 1, 1, 1], probs)
+    lines = [r.getMessage() for r in caplog.records if r.name == "mcore_torch_experts"]
+    assert len(lines) == 1
+    gib = 2 * 4 * (2 * 48 * HIDDEN + HIDDEN * 48) * 2 / 2**30
+    assert lines[0].startswith(
+        f"mcore_torch_experts: rank 0 runs TorchGroupedMLP experts in 2 MoE layer(s): 16 expert "
+        f"weights ({gib:.2f} GiB packed), 15 of them frozen; ")

@@ -24,7 +24,8 @@ from mcore_torch_experts import TorchExpertsConfigError, TorchGroupedMLP, _compa
 from bridge_support import import_bridge_peft, run_worker
 from reference import rel_err
 from test_specs import GRAD_TOL, LOGITS_TOL, experts_class, mlp_kinds, plain_config, spec_structure
-from tiny_gpt import forward_backward, freeze_experts, gpt, sequential_to_grouped
+from tiny_gpt import (assert_experts_built_frozen, forward_backward, freeze_experts, gpt,
+                      sequential_to_grouped)
 
 
 def with_torch_experts_in_moe_layers(structure):
@@ -137,7 +138,7 @@ def test_model_from_the_gpt_entry_point_matches_the_sequential_mlp_model(megatro
     assert mlp_kinds(ours)[1:] == [TorchGroupedMLP, TorchGroupedMLP]
     assert mlp_kinds(reference)[1:] == [SequentialMLP, SequentialMLP]
     ours.load_state_dict(sequential_to_grouped(reference.state_dict()), strict=False)
-    freeze_experts(ours)
+    assert_experts_built_frozen(ours)
     freeze_experts(reference)
     logits, loss, grads = forward_backward(ours)
     ref_logits, ref_loss, ref_grads = forward_backward(reference)

@@ -85,10 +85,17 @@ def experts_modules(model) -> list:
 
 
 def freeze_experts(model) -> None:
-    """The frozen expert base of adapter training."""
+    """The frozen expert base of adapter training, for a reference model (SequentialMLP,
+    TEGroupedMLP) whose experts Megatron builds trainable."""
     for name, param in model.named_parameters():
         if ".mlp.experts." in name:
             param.requires_grad_(False)
+
+
+def assert_experts_built_frozen(model) -> None:
+    """Every expert weight of `model` (TorchGroupedMLP experts) is frozen as built."""
+    experts = [p for n, p in model.named_parameters() if ".mlp.experts." in n]
+    assert experts and not any(p.requires_grad for p in experts)
 
 
 def batch():
@@ -115,7 +122,7 @@ def forward_backward(model):
 def assert_same_outputs(ours, reference, logits_tol: float, grad_tol: float) -> None:
     """Two models with the same weights and frozen experts give the same logits, loss and
     gradient of every trainable parameter (the embedding's included), within the tolerances."""
-    freeze_experts(ours)
+    assert_experts_built_frozen(ours)
     freeze_experts(reference)
     logits, loss, grads = forward_backward(ours)
     ref_logits, ref_loss, ref_grads = forward_backward(reference)
