@@ -49,7 +49,8 @@ def experts_summary() -> str:
     """One line on the TorchGroupedMLP modules alive in this process: how many, their expert
     weights (how many frozen, packed size) and the kernels they run."""
     modules = sorted(_BUILT, key=id)
-    linears = [linear for m in modules for linear in (m.linear_fc1, m.linear_fc2)]
+    linears = [linear for m in modules for linear in m.modules()
+               if isinstance(linear, TorchGroupedLinear)]  # adapter wrappers hold them
     weights = [w for linear in linears for w in linear.expert_weights()]
     frozen = sum(not w.requires_grad for w in weights)
     gib = sum(linear.packed_weight.numel() * linear.packed_weight.element_size()
