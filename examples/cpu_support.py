@@ -98,15 +98,30 @@ def megatron_patches(on_cpu: bool, *, host_streams: bool = False,
 
 
 class HostStream:
-    """What the alltoall dispatcher asks of a CUDA stream and of the event it records."""
+    """What Megatron asks of a CUDA stream or event on one host process: nothing to wait for."""
+
+    def __init__(self, *args, **kwargs):
+        pass
 
     def wait_stream(self, other):
         pass
 
+    def wait_event(self, event):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
     def synchronize(self):
         pass
 
-    def record_event(self):
+    def record_event(self, event=None):
         return self  # an event whose synchronize() returns at once
 
 
@@ -239,3 +254,90 @@ def import_megatron_bridge():
         raise RuntimeError(f"Megatron-Core modules first imported while the Transformer Engine "
                            f"stand-in was visible (add them to BRIDGE_PREIMPORT): {leaked}")
     return sys.modules["megatron.bridge"]
+
+
+class CudaTensorsOnTheCpu(torch.overrides.TorchFunctionMode):
+    """Inside this mode, tensors asked for on CUDA (`device="cuda"`, `.cuda()`, `.to("cuda")`)
+    are made on the CPU: Megatron-LM's training loop (`megatron.training`) puts its counters,
+    loss reductions and timers on CUDA by name."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        name = getattr(func, "__name__", "")
+        if name == "cuda":
+            return args[0]
+        if name == "to":
+            args = tuple(_cpu_device(a) if isinstance(a, (str, torch.device)) else a
+                         for a in args)
+        return func(*args, **kwargs)
+
+
+def _cpu_device(device):
+    """'cpu' for a CUDA device given by name, torch.device or index; anything else as given."""
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return "cpu"
+    if isinstance(device, int) and not isinstance(device, bool):
+        return "cpu"
+    return device
+
+
+def _called_from_megatron() -> bool:
+    """Whether the caller of the patched function is Megatron's code."""
+    return sys._getframe(2).f_globals.get("__name__", "").startswith("megatron.")
+
+
+def megatron_lm_patches() -> list:
+    """[Patch]: what Megatron-LM's `pretrain()` (megatron.training, driven by its own
+    `pretrain_gpt.py`) needs, beyond `megatron_patches(on_cpu=True)`, to run on a CPU-only host
+    with `--distributed-backend gloo`; tensors it asks for on CUDA come from
+    `CudaTensorsOnTheCpu`. Nothing here touches this package or changes what a model computes."""
+    import megatron.core.datasets.utils as dataset_utils
+    import megatron.training.initialize as initialize
+    from megatron.core import tensor_parallel
+
+    is_available, device_count = torch.cuda.is_available, torch.cuda.device_count
+    tensor_type = torch.Tensor.type
+
+    def cuda_type_name(tensor, *args, **kwargs):
+        name = tensor_type(tensor, *args, **kwargs)
+        if args or kwargs or not _called_from_megatron() or name.startswith("torch.cuda."):
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    no_op = lambda *args, **kwargs: None  # noqa: E731
+    host = "a CPU-only host has no CUDA device"
+    return [
+        Patch(torch.cuda, "is_available",
+              lambda: True if _called_from_megatron() else is_available(),
+              "initialize_megatron asserts CUDA; Megatron is answered yes, everyone else (torch "
+              "itself) the truth"),
+        Patch(torch.cuda, "device_count", lambda: 1 if _called_from_megatron() else device_count(),
+              "Megatron-LM sets up its parallel groups only when it counts a device"),
+        Patch(torch.cuda, "get_device_capability", lambda *args, **kwargs: (9, 0),
+              "argument validation asserts compute capability 8+ for --moe-grouped-gemm"),
+        Patch(torch.cuda, "set_device", no_op, host),
+        Patch(torch.cuda, "synchronize", no_op, host),
+        Patch(torch.cuda, "get_rng_state", lambda *args, **kwargs: torch.get_rng_state(),
+              "the rerun state machine saves the CUDA generator; the CPU one stands for it"),
+        Patch(torch.cuda, "set_rng_state", no_op, "as `get_rng_state`"),
+        Patch(torch.cuda, "Stream", HostStream, "DDP and the optimizer make CUDA streams"),
+        Patch(torch.cuda, "Event", HostStream, "timers and DDP record CUDA events"),
+        Patch(torch.cuda, "current_stream", lambda *args, **kwargs: HostStream(), "as `Stream`"),
+        Patch(torch.cuda, "stream", lambda stream: contextlib.nullcontext(), "as `Stream`"),
+        Patch(torch.nn.Module, "cuda", lambda module, *args, **kwargs: module,
+              "get_model moves each model chunk to the GPU; it stays on the CPU"),
+        Patch(torch.Tensor, "type", cuda_type_name,
+              "Megatron's mixed-precision optimizers accept only parameters whose type() is "
+              "torch.cuda.*Tensor; Megatron is told the CUDA name of the same dtype"),
+        Patch(tensor_parallel, "model_parallel_cuda_manual_seed", no_op,
+              "it seeds the CUDA generators; torch.manual_seed (called before it) seeds the CPU"),
+        Patch(initialize, "_warmup_jit_function", no_op,
+              "it warms the JIT fusions up on CUDA tensors (the fusions are off on the CPU)"),
+        Patch(dataset_utils, "compile_helpers", no_op,
+              "it runs `make` in megatron/core/datasets, whose Makefile is in a Megatron-LM "
+              "checkout but not in the megatron-core wheel; the wheel ships the compiled helpers"),
+    ]
