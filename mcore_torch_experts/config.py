@@ -326,14 +326,16 @@ class TorchExpertsTransformerConfig(TransformerConfig):
     CUDA when importable, else torch)."""
 
     def __post_init__(self):
-        # The flags refused outright go first: Megatron's own checks of them (fp8 without
-        # Transformer Engine, say) would fail with a message that does not name the fix.
+        # The settings refused outright go first: Megatron's own checks of them (fp8 without
+        # Transformer Engine, inference-optimized layers, say) would fail with a message that
+        # does not name the fix.
         check_backend(self.moe_expert_gemm_backend)
         if self.moe_expert_gemm_backend == "torch":
+            refuse_transformer_impl(self, "moe_expert_gemm_backend='torch'")
             refuse_unsupported_flags(vars(self))
+        if self.moe_combine_in_fp32:  # it reads no field that Megatron's checks derive
+            validate_fp32_combine_config(self)
         super().__post_init__()
         if self.moe_expert_gemm_backend == "torch":
             validate_torch_experts_config(self)
         check_expert_kernel(self)
-        if self.moe_combine_in_fp32:
-            validate_fp32_combine_config(self)
