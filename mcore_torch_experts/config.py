@@ -93,6 +93,15 @@ def refuse_unsupported_flags(settings: Mapping[str, object]) -> None:
                 + " from offload_modules.")
 
 
+def refuse_spec_arguments(spec_kwargs: Mapping[str, object]) -> None:
+    """Refuse a spec builder's argument that asks for another experts module than the one the
+    torch backend puts in (`moe_grouped_gemm=False`: SequentialMLP), as the config field is."""
+    if "moe_grouped_gemm" in spec_kwargs and not spec_kwargs["moe_grouped_gemm"]:
+        _refuse("moe_grouped_gemm", spec_kwargs["moe_grouped_gemm"],
+                "TorchGroupedMLP is a grouped experts module; pass moe_grouped_gemm=True or leave "
+                "the argument out.")
+
+
 def _refuse_fixed_size_flex_dispatch(settings: Mapping[str, object]) -> None:
     """Megatron-Core 0.19's flex dispatcher modes that hand the experts a fixed-size buffer, with
     rows past sum(tokens_per_expert), or NCCL-EP's symmetric-memory output buffers: Megatron feeds

@@ -25,6 +25,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from . import _compat
 from .config import (
     check_backend,
+    refuse_spec_arguments,
     refuse_transformer_impl,
     refuse_unsupported_flags,
     validate_fp32_combine_config,
@@ -86,6 +87,7 @@ def _check_torch_experts(config: TransformerConfig, spec_kwargs: Mapping[str, ob
         return False
     validate_torch_experts_config(config)
     refuse_unsupported_flags(spec_kwargs)
+    refuse_spec_arguments(spec_kwargs)
     return True
 
 
