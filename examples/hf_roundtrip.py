@@ -6,9 +6,10 @@ transformers (the Python 3.12 / megatron-core 0.19 leg).
     python examples/hf_roundtrip.py [--out-dir runs/hf_roundtrip] [--steps 20]
 
 1. Makes a tiny Qwen3-MoE checkpoint locally (random weights from a small config, no download).
-2. `AutoBridge.from_hf_pretrained(path).to_megatron_provider()`, with the provider switched to
-   TorchGroupedMLP experts (`moe_expert_gemm_backend="torch"`, the reference spec); Bridge's
-   pre-wrap hook loads the HF weights into the packed expert buffers.
+2. `AutoBridge.from_hf_pretrained(path).to_megatron_provider()`, with the provider naming the
+   launcher entry point `torch_experts_gpt_spec` (TorchGroupedMLP experts; the provider's
+   run_config.yaml keeps it); Bridge's pre-wrap hook loads the HF weights into the packed expert
+   buffers.
 3. Compares every expert weight with the HF tensor and the logits with the HF model's forward.
 4. Exports with `bridge.export_hf_weights` (written out with the checkpoint's config, as
    `bridge.save_hf_pretrained` does) and compares every tensor with the original file.
@@ -22,7 +23,6 @@ transformers (the Python 3.12 / megatron-core 0.19 leg).
 """
 
 import argparse
-import functools
 import importlib.util
 from pathlib import Path
 
@@ -31,7 +31,7 @@ import torch
 from cpu_support import import_megatron_bridge, init_single_process_megatron, shutdown_megatron
 from mcore_torch_experts import apply_lora, lora_parameters, register_with_megatron_bridge
 from mcore_torch_experts.lora import LoRALinear, PerExpertLoRAAdapter
-from mcore_torch_experts.specs import gpt_transformer_layer_spec
+from mcore_torch_experts.specs import torch_experts_gpt_spec
 
 TINY_QWEN3_MOE = dict(vocab_size=128, hidden_size=64, intermediate_size=128,
                       moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -55,12 +55,11 @@ def import_with_torch_experts(path: Path):
 
     bridge = AutoBridge.from_hf_pretrained(path)  # an FP32 checkpoint: an FP32 model
     provider = bridge.to_megatron_provider(load_weights=True)
-    provider.moe_expert_gemm_backend = "torch"
     provider.moe_grouped_gemm = True
-    provider.transformer_layer_spec = functools.partial(
-        gpt_transformer_layer_spec, use_transformer_engine=False)
+    provider.transformer_layer_spec = torch_experts_gpt_spec
     # CPU, one process (on a CUDA host too): local modules, the allgather dispatcher and unfused
     # kernels (Bridge turns gradient-accumulation fusion on wherever TE is importable).
+    provider.transformer_impl = "local"
     provider.gradient_accumulation_fusion = False
     provider.moe_token_dispatcher_type = "allgather"
     provider.moe_permute_fusion = False

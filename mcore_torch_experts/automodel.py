@@ -5,12 +5,11 @@ copy of every routed row (twice the bf16 expert output) lives next to the accumu
 backward gathers a full-size FP32 gradient before casting it. `install_fp32_combine(model)` gives
 each GroupedExperts module in `model` an instance-level `_forward_grouped_mm` that runs 0.7.0's
 code up to output2 and sums output2 into its tokens with `fp32_combine` instead; `remove_combine`
-takes it off again. Nothing else changes: not the class, not nemo_automodel's module globals,
-not the modules you did not pass.
+takes it off again. Pickling and deep copies carry it. Nothing else changes: not the class, not
+nemo_automodel's module globals, not the modules you did not pass.
 """
 
 import functools
-import types
 from typing import Callable, List
 
 import nemo_automodel
@@ -29,7 +28,6 @@ from .combine import check_options, fp32_combine
 
 VERIFIED_VERSIONS = ("0.7.0",)
 """nemo-automodel releases whose GroupedExperts._forward_grouped_mm this module reproduces."""
-_COMBINE = "_mcore_torch_experts_combine"  # instance attribute: the combine the module calls
 
 Combine = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 """combine(expert_out [N, H], token_ids [N], num_tokens) -> y [num_tokens, H] float32."""
@@ -55,11 +53,11 @@ def install_fp32_combine(model: torch.nn.Module, *, chunk_rows=None, backend=Non
 
 def install_combine(model: torch.nn.Module, combine: Combine) -> List[str]:
     """install_fp32_combine with any `combine(expert_out [N, H], token_ids [N], num_tokens)
-    -> y [num_tokens, H] float32` in place of the scatter-add (benchmarks compare others)."""
+    -> y [num_tokens, H] float32` in place of the scatter-add (benchmarks compare others).
+    Pickling the model pickles `combine` too (a lambda cannot be: pickling then fails)."""
     targets = _checked_targets(model)
     for _, module in targets:
-        setattr(module, _COMBINE, combine)
-        module._forward_grouped_mm = types.MethodType(_forward_grouped_mm, module)
+        module._forward_grouped_mm = _CombinedForward(module, combine)
     return [name for name, _ in targets]
 
 
@@ -70,16 +68,28 @@ def remove_combine(model: torch.nn.Module) -> List[str]:
     for name, module in model.named_modules():
         if _installed(module):
             del module._forward_grouped_mm
-            delattr(module, _COMBINE)
             names.append(name)
     return names
 
 
-def _forward_grouped_mm(self, x, token_mask, weights, indices, gate_and_up_projs, down_projs,
-                        gate_up_proj_bias, down_proj_bias, n_local_experts, experts_start_idx):
+class _CombinedForward:
+    """The `_forward_grouped_mm` installed on a module: `_forward_grouped_mm` with its combine.
+    An object, not a bound method: pickle would restore a bound method as the class's method of
+    the same name (the shipped one); this pickles and deep-copies with the module."""
+
+    def __init__(self, module: torch.nn.Module, combine: Combine):
+        self.module, self.combine = module, combine
+
+    def __call__(self, *args, **kwargs):
+        return _forward_grouped_mm(self.module, self.combine, *args, **kwargs)
+
+
+def _forward_grouped_mm(self, combine, x, token_mask, weights, indices, gate_and_up_projs,
+                        down_projs, gate_up_proj_bias, down_proj_bias, n_local_experts,
+                        experts_start_idx):
     """nemo-automodel 0.7.0's GroupedExperts._forward_grouped_mm (x [T, H] -> y [T, H] float32),
     config.apply_router_weight_after_down=False, with `y.scatter_add_(0, ids, output2.float())`
-    replaced by the installed combine. No routed rows: the shipped method (its dummy graph)."""
+    replaced by `combine`. No routed rows: the shipped method (its dummy graph)."""
     sorted_token_ids, sorted_weights, tokens_per_expert, offs = _permute_tokens_for_grouped_mm(
         indices, weights, token_mask, n_local_experts, experts_start_idx)
     if sorted_token_ids.numel() == 0:
@@ -99,12 +109,12 @@ def _forward_grouped_mm(self, x, token_mask, weights, indices, gate_and_up_projs
         output2 = _torch_mm_experts_fwd(permuted_x, gate_and_up_projs, down_projs,
                                         tokens_per_expert, permuted_probs,
                                         self.expert_activation_grouped, use_mxfp8=self.use_mxfp8)
-    return getattr(self, _COMBINE)(output2, sorted_token_ids, x.shape[0])
+    return combine(output2, sorted_token_ids, x.shape[0])
 
 
 def _installed(module: torch.nn.Module) -> bool:
     method = vars(module).get("_forward_grouped_mm")
-    return isinstance(method, types.MethodType) and method.__func__ is _forward_grouped_mm
+    return isinstance(method, _CombinedForward) and method.module is module
 
 
 def _checked_targets(model: torch.nn.Module):

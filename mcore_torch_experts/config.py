@@ -1,5 +1,6 @@
 """The `moe_expert_gemm_backend` flag and the checks that run when it says "torch"."""
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Mapping, Optional
@@ -91,6 +92,15 @@ def refuse_unsupported_flags(settings: Mapping[str, object]) -> None:
                 "expert activation offloading is not implemented for the torch backend; remove "
                 + " and ".join(repr(module) for module in sorted(offloaded))
                 + " from offload_modules.")
+
+
+def refuse_spec_arguments(spec_kwargs: Mapping[str, object]) -> None:
+    """Refuse a spec builder's argument that asks for another experts module than the one the
+    torch backend puts in (`moe_grouped_gemm=False`: SequentialMLP), as the config field is."""
+    if "moe_grouped_gemm" in spec_kwargs and not spec_kwargs["moe_grouped_gemm"]:
+        _refuse("moe_grouped_gemm", spec_kwargs["moe_grouped_gemm"],
+                "TorchGroupedMLP is a grouped experts module; pass moe_grouped_gemm=True or leave "
+                "the argument out.")
 
 
 def _refuse_fixed_size_flex_dispatch(settings: Mapping[str, object]) -> None:
@@ -275,9 +285,10 @@ def check_expert_kernel(config: TransformerConfig) -> None:
 COMBINE_DISPATCHERS = ("allgather", "alltoall")
 
 
-def validate_fp32_combine_config(config: TransformerConfig) -> None:
-    """Refuse settings under which the FP32 top-k combine cannot run as asked."""
-    setting = "moe_combine_in_fp32=True"
+def validate_fp32_combine_config(config: TransformerConfig,
+                                 setting: str = "moe_combine_in_fp32=True") -> None:
+    """Refuse settings under which the FP32 top-k combine cannot run as asked; `setting` is
+    what asked for it (a launcher entry point names itself)."""
 
     def refuse(field, value, fix):
         _refuse(field, value, fix, setting)
@@ -326,14 +337,51 @@ class TorchExpertsTransformerConfig(TransformerConfig):
     CUDA when importable, else torch)."""
 
     def __post_init__(self):
-        # The flags refused outright go first: Megatron's own checks of them (fp8 without
-        # Transformer Engine, say) would fail with a message that does not name the fix.
+        # The settings refused outright go first: Megatron's own checks of them (fp8 without
+        # Transformer Engine, inference-optimized layers, say) would fail with a message that
+        # does not name the fix.
         check_backend(self.moe_expert_gemm_backend)
         if self.moe_expert_gemm_backend == "torch":
+            refuse_transformer_impl(self, "moe_expert_gemm_backend='torch'")
             refuse_unsupported_flags(vars(self))
+        if self.moe_combine_in_fp32:  # it reads no field that Megatron's checks derive
+            validate_fp32_combine_config(self)
         super().__post_init__()
         if self.moe_expert_gemm_backend == "torch":
             validate_torch_experts_config(self)
         check_expert_kernel(self)
-        if self.moe_combine_in_fp32:
-            validate_fp32_combine_config(self)
+
+
+PACKAGE_FIELDS = tuple(name for name in TorchExpertsTransformerConfig.__dataclass_fields__
+                       if name not in TransformerConfig.__dataclass_fields__)
+"""The fields TorchExpertsTransformerConfig adds to TransformerConfig."""
+
+_COMBINE_ENTRY_POINTS = ("torch_experts_fp32_combine_gpt_spec (TorchGroupedMLP experts) or "
+                         "fp32_combine_gpt_spec (Megatron's experts), or their "
+                         "*_hybrid_stack_spec namesakes")
+_UNRECORDED_FIXES = {
+    "moe_expert_gemm_backend": "name the entry point that means the experts instead: "
+                               "torch_experts_gpt_spec (TorchGroupedMLP), fp32_combine_gpt_spec "
+                               "(Megatron's experts with the FP32 combine) or Megatron's own "
+                               "spec, or their *_hybrid_stack_spec namesakes",
+    "moe_combine_in_fp32": f"name {_COMBINE_ENTRY_POINTS} instead",
+    "moe_combine_chunk_rows": "set MCORE_TORCH_EXPERTS_COMBINE_CHUNK_ROWS in the environment of "
+                              "every process instead",
+    "moe_combine_backend": "remove it (the automatic choice applies)",
+    "moe_expert_kernel": "remove it (the automatic choice applies)",
+}
+
+
+def refuse_unrecorded_settings(config: TransformerConfig, entry_point: str) -> None:
+    """Refuse a PACKAGE_FIELDS setting held as a plain attribute of `config` (a Bridge provider,
+    a plain TransformerConfig) when a launcher entry point builds from it: Bridge's
+    run_config.yaml records dataclass fields only, so a provider rebuilt from it would silently
+    build without the setting."""
+    fields = {field.name for field in dataclasses.fields(config)}
+    for name in PACKAGE_FIELDS:
+        if name in vars(config) and name not in fields:
+            _refuse(name, getattr(config, name),
+                    f"a plain attribute of {type(config).__name__} (not a dataclass field) is "
+                    "not recorded in Megatron-Bridge's run_config.yaml, so a provider rebuilt "
+                    "from it (NeMo-RL's policy and reference models are) would build without "
+                    f"it; {_UNRECORDED_FIXES[name]}.", entry_point)

@@ -80,17 +80,17 @@ def _validated_targets(root: torch.nn.Module) -> List[str]:
                     "the experts module, and a module cannot replace itself in its parent. Pass "
                     "the module that holds it (its MoE layer, or the model). It is unchanged.")
             _refuse_wrapped_linears(module, name)
+            _refuse_unusable_devices(module, name)  # first: the config check reads the device
             validate_torch_experts_config(_build_config(module),
                                           get_pg_size(module.ep_group),
                                           get_pg_size(module.tp_group))
-            _refuse_unusable_weights(module, name)
+            _refuse_unusable_shapes(module, name)
             names.append(name)
     return names
 
 
-def _refuse_unusable_weights(experts, name: str) -> None:
-    """Expert weights the new module cannot take over: not all on one CPU or CUDA device (meta
-    weights hold no values), or of another shape than its [out, in] slots."""
+def _refuse_unusable_devices(experts, name: str) -> None:
+    """Expert weights not all on one CPU or CUDA device (meta weights hold no values)."""
     weights = _expert_weights(experts)
     devices = sorted({str(weight.device) for pair in weights for weight in pair})
     if len(devices) != 1 or weights[0][0].device.type not in ("cpu", "cuda"):
@@ -99,8 +99,12 @@ def _refuse_unusable_weights(experts, name: str) -> None:
             "over on one CPU or CUDA device. Move the model there (a meta-device model: "
             "materialise and load its weights first, e.g. to_empty, then the checkpoint), then "
             "convert. The model is unchanged.")
+
+
+def _refuse_unusable_shapes(experts, name: str) -> None:
+    """Expert weights of another shape than the new module's [out, in] slots."""
     shapes = local_weight_shapes(experts.config, get_pg_size(experts.tp_group))
-    for i, pair in enumerate(weights):
+    for i, pair in enumerate(_expert_weights(experts)):
         for fc, weight, shape in zip((1, 2), pair, shapes):
             if list(weight.shape) != shape:
                 raise ValueError(

@@ -39,18 +39,22 @@ def group_offsets(tokens_per_expert: Splits, num_groups: int, num_rows: int,
                   device: torch.device) -> torch.Tensor:
     """Validate per-expert row counts and return cumulative row ends, int32 [E], on `device`.
 
-    CPU splits (a list or CPU tensor) are checked on the host. Splits already on an accelerator
-    are checked with an asynchronous device assert, so no host synchronisation happens here.
+    A list holds ints or 0-d integer tensors. CPU splits (a list or CPU tensor) are checked on
+    the host. Splits already on an accelerator are checked with an asynchronous device assert,
+    so no host synchronisation happens here.
     """
     if isinstance(tokens_per_expert, torch.Tensor):
         splits = tokens_per_expert
     else:
         counts = list(tokens_per_expert)
         for count in counts:
-            if isinstance(count, bool) or not isinstance(count, numbers.Integral):
+            if not _is_integer_count(count):
                 raise ValueError(f"tokens_per_expert must hold integer counts, got {count!r} "
                                  f"({type(count).__name__}) in {counts}")
-        splits = torch.tensor(counts, dtype=torch.int64)
+        if counts and all(isinstance(count, torch.Tensor) for count in counts):
+            splits = torch.stack(counts)  # `list(tokens_per_expert)`: stays on its device
+        else:
+            splits = torch.tensor([int(count) for count in counts], dtype=torch.int64)
     if splits.dim() != 1 or splits.numel() != num_groups:
         raise ValueError(
             f"tokens_per_expert must hold one count per local expert: expected shape "
@@ -75,6 +79,14 @@ def group_offsets(tokens_per_expert: Splits, num_groups: int, num_rows: int,
     ok = (splits.min() >= 0) & (splits.sum() == num_rows)
     torch._assert_async(ok, "tokens_per_expert must be non-negative and sum to the row count")
     return splits.cumsum(0).to(torch.int32)
+
+
+def _is_integer_count(count) -> bool:
+    """An int (not a bool), or a 0-d tensor of an integer dtype."""
+    if isinstance(count, torch.Tensor):
+        return count.dim() == 0 and not (count.dtype.is_floating_point or count.dtype.is_complex
+                                         or count.dtype == torch.bool)
+    return isinstance(count, numbers.Integral) and not isinstance(count, bool)
 
 
 class FrozenGroupedLinearFunction(torch.autograd.Function):

@@ -17,17 +17,20 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from . import _compat
 from .combine import fp32_combine
+from .config import validate_fp32_combine_config
 
 
 class FP32CombineMoELayer(MoELayer):
     """MoELayer whose top-k combine accumulates in FP32 (settings from the config:
-    `moe_combine_chunk_rows`, `moe_combine_backend`).
+    `moe_combine_chunk_rows`, `moe_combine_backend`). A config the combine cannot run is refused
+    (validate_fp32_combine_config) before anything is built.
 
     Before megatron-core 0.18, TransformerLayer passes `pg_collection` (and, on 0.17,
     `is_mtp_layer`) only to the exact MoELayer class: this layer is built without them and runs
     on Megatron's global (mpu) groups (docs/guarantees.md, "FP32 top-k combine")."""
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, **kwargs):
+        validate_fp32_combine_config(config)  # before Megatron builds (and checks) its dispatcher
         super().__init__(config, submodules, layer_number=layer_number,
                          pg_collection=pg_collection, **kwargs)
         route_unpermute_through(self.token_dispatcher, self.combine_top_k)

@@ -2,10 +2,12 @@
 `config.moe_expert_gemm_backend == "torch"`, and Megatron's choice otherwise; MoE layers become
 FP32CombineMoELayer when `config.moe_combine_in_fp32` is set.
 
-Launcher entry points (`torch_experts_gpt_spec`, `torch_experts_hybrid_stack_spec`) are named by
-import path from Megatron-LM's `--spec` or a Megatron-Bridge provider, whose configs have no
-`moe_expert_gemm_backend` field: they build TorchGroupedMLP unless the config says
-"transformer_engine".
+Launcher entry points are named by import path from Megatron-LM's `--spec` or a Megatron-Bridge
+provider, whose configs have none of this package's fields; the path is what Bridge's
+run_config.yaml records, so each one means one choice: `torch_experts_*` TorchGroupedMLP
+experts, `fp32_combine_*` Megatron's experts with the FP32 combine, `torch_experts_fp32_combine_*`
+both (`*`: `gpt_spec`, `hybrid_stack_spec`). On a TorchExpertsTransformerConfig their fields
+still apply; one of those settings held as a plain attribute is refused (the YAML drops it).
 
 The spec decides which module runs; no global switch is read. Modules run on the process groups
 their parent hands them, and on Megatron's global (mpu) groups when it hands none: before
@@ -25,6 +27,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from . import _compat
 from .config import (
     check_backend,
+    refuse_unrecorded_settings,
+    refuse_spec_arguments,
     refuse_transformer_impl,
     refuse_unsupported_flags,
     validate_fp32_combine_config,
@@ -68,11 +72,15 @@ def with_fp32_combine(layer_spec: ModuleSpec) -> ModuleSpec:
     return dataclasses.replace(layer_spec, submodules=submodules)
 
 
-def _follow_config(config: TransformerConfig, layer_spec: ModuleSpec,
-                   torch_experts: bool) -> ModuleSpec:
+def _follow_config(config: TransformerConfig, layer_spec: ModuleSpec, torch_experts: bool,
+                   fp32_combine: Optional[str] = None) -> ModuleSpec:
+    """`fp32_combine`: the entry point that asks for the combine (None: moe_combine_in_fp32)."""
     if torch_experts:
         layer_spec = with_torch_experts(layer_spec)
-    if getattr(config, "moe_combine_in_fp32", False):
+    if fp32_combine is not None:
+        validate_fp32_combine_config(config, fp32_combine)
+        layer_spec = with_fp32_combine(layer_spec)
+    elif getattr(config, "moe_combine_in_fp32", False):
         validate_fp32_combine_config(config)
         layer_spec = with_fp32_combine(layer_spec)
     return layer_spec
@@ -86,6 +94,7 @@ def _check_torch_experts(config: TransformerConfig, spec_kwargs: Mapping[str, ob
         return False
     validate_torch_experts_config(config)
     refuse_unsupported_flags(spec_kwargs)
+    refuse_spec_arguments(spec_kwargs)
     return True
 
 
@@ -108,9 +117,9 @@ def get_gpt_layer_local_spec(config: TransformerConfig, **kwargs) -> ModuleSpec:
 
 
 def _decoder_block_spec(config: TransformerConfig, use_transformer_engine: bool,
-                        torch_experts: bool, **kwargs):
+                        torch_experts: bool, fp32_combine: Optional[str] = None, **kwargs):
     block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine, **kwargs)
-    layers = [_follow_config(config, s, torch_experts) for s in block.layer_specs]
+    layers = [_follow_config(config, s, torch_experts, fp32_combine) for s in block.layer_specs]
     return dataclasses.replace(block, layer_specs=layers)
 
 
@@ -160,45 +169,89 @@ def launcher_transformer_config(config):
         f"as `transformer`), got {type(config).__name__}; pass the model's TransformerConfig.")
 
 
-def _launcher_uses_transformer_engine(config: TransformerConfig) -> bool:
-    """Whether `config.transformer_impl` (Megatron-LM's `--transformer-impl`, a Bridge provider's
-    field) asks for Transformer Engine modules; "inference_optimized" is refused, whichever
-    expert backend the config names."""
-    refuse_transformer_impl(config, "torch_experts_gpt_spec")
-    return config.transformer_impl == "transformer_engine"
+def _launcher_config(config, entry_point: str) -> TransformerConfig:
+    """The TransformerConfig a launcher entry point builds from, its plain-attribute settings
+    refused."""
+    config = launcher_transformer_config(config)
+    refuse_unrecorded_settings(config, entry_point)
+    return config
+
+
+def _launcher_gpt_spec(config, vp_stage: Optional[int], entry_point: str, experts_absent: str,
+                       fp32_combine: bool):
+    """A launcher's GPT decoder block spec: TorchGroupedMLP experts unless a
+    `moe_expert_gemm_backend` field says otherwise (absent: `experts_absent`), the FP32 combine
+    when `fp32_combine` or a `moe_combine_in_fp32` field says so. Transformer Engine or local
+    modules as `transformer_impl` says; "inference_optimized" is refused."""
+    config = _launcher_config(config, entry_point)
+    refuse_transformer_impl(config, entry_point)
+    torch_experts = _check_torch_experts(config, {}, absent=experts_absent)
+    return _decoder_block_spec(config, config.transformer_impl == "transformer_engine",
+                               torch_experts, entry_point if fp32_combine else None,
+                               normalization=config.normalization, qk_l2_norm=config.qk_l2_norm,
+                               vp_stage=vp_stage)
 
 
 def torch_experts_gpt_spec(config, vp_stage: Optional[int] = None):
     """A GPT `transformer_layer_spec` for launchers, named by import path: Megatron's decoder
     block spec (dense and MoE layers per moe_layer_freq, this stage's layers) with TorchGroupedMLP
-    experts, unless `moe_expert_gemm_backend` is set to "transformer_engine" (the field is
-    absent from a plain TransformerConfig: absent means "torch"). Transformer Engine or local
-    modules as `transformer_impl` says.
+    experts (unless a `moe_expert_gemm_backend` field says "transformer_engine"). Transformer
+    Engine or local modules as `transformer_impl` says.
 
     `config`: a TransformerConfig or Bridge provider (`provider.transformer_layer_spec(provider,
     vp_stage=...)`), or Megatron-LM 0.19's GPTModelConfig (`--spec mcore_torch_experts.specs
     torch_experts_gpt_spec`), whose `transformer` field is the config every check runs on.
     """
-    config = launcher_transformer_config(config)
-    use_transformer_engine = _launcher_uses_transformer_engine(config)
-    torch_experts = _check_torch_experts(config, {}, absent="torch")
-    return _decoder_block_spec(config, use_transformer_engine, torch_experts,
-                               normalization=config.normalization, qk_l2_norm=config.qk_l2_norm,
-                               vp_stage=vp_stage)
+    return _launcher_gpt_spec(config, vp_stage, "torch_experts_gpt_spec", "torch", False)
+
+
+def torch_experts_fp32_combine_gpt_spec(config, vp_stage: Optional[int] = None):
+    """torch_experts_gpt_spec with every MoE layer an FP32CombineMoELayer."""
+    return _launcher_gpt_spec(config, vp_stage, "torch_experts_fp32_combine_gpt_spec", "torch",
+                              True)
+
+
+def fp32_combine_gpt_spec(config, vp_stage: Optional[int] = None):
+    """Megatron's GPT decoder block spec, as torch_experts_gpt_spec builds it, with Megatron's
+    experts (unless a `moe_expert_gemm_backend` field says "torch") and every MoE layer an
+    FP32CombineMoELayer."""
+    return _launcher_gpt_spec(config, vp_stage, "fp32_combine_gpt_spec", "transformer_engine",
+                              True)
+
+
+def _launcher_hybrid_stack_spec(config, entry_point: str, experts_absent: str,
+                                fp32_combine: bool):
+    config = _launcher_config(config, entry_point)
+    torch_experts = _check_torch_experts(config, {}, absent=experts_absent)
+    return _hybrid_stack_spec(config, _compat.megatron_hybrid_stack_spec(), torch_experts,
+                              entry_point if fp32_combine else None)
 
 
 def torch_experts_hybrid_stack_spec(config):
     """A hybrid `hybrid_stack_spec` for launchers (a Bridge HybridModelProvider calls it as
     `hybrid_stack_spec(provider)`): Megatron's hybrid stack spec (Transformer Engine modules, as
-    Bridge's default) with TorchGroupedMLP experts in its MoE layer, unless
-    `moe_expert_gemm_backend` says "transformer_engine" (absent means "torch")."""
-    config = launcher_transformer_config(config)
-    torch_experts = _check_torch_experts(config, {}, absent="torch")
-    return _hybrid_stack_spec(config, _compat.megatron_hybrid_stack_spec(), torch_experts)
+    Bridge's default) with TorchGroupedMLP experts in its MoE layer (unless a
+    `moe_expert_gemm_backend` field says "transformer_engine")."""
+    return _launcher_hybrid_stack_spec(config, "torch_experts_hybrid_stack_spec", "torch", False)
 
 
-def _hybrid_stack_spec(config: TransformerConfig, stack_spec, torch_experts: bool):
-    moe_layer = _follow_config(config, stack_spec.submodules.moe_layer, torch_experts)
+def torch_experts_fp32_combine_hybrid_stack_spec(config):
+    """torch_experts_hybrid_stack_spec with its MoE layer an FP32CombineMoELayer."""
+    return _launcher_hybrid_stack_spec(config, "torch_experts_fp32_combine_hybrid_stack_spec",
+                                       "torch", True)
+
+
+def fp32_combine_hybrid_stack_spec(config):
+    """Megatron's hybrid stack spec with Megatron's experts (unless a `moe_expert_gemm_backend`
+    field says "torch") and its MoE layer an FP32CombineMoELayer."""
+    return _launcher_hybrid_stack_spec(config, "fp32_combine_hybrid_stack_spec",
+                                       "transformer_engine", True)
+
+
+def _hybrid_stack_spec(config: TransformerConfig, stack_spec, torch_experts: bool,
+                       fp32_combine: Optional[str] = None):
+    moe_layer = _follow_config(config, stack_spec.submodules.moe_layer, torch_experts,
+                               fp32_combine)
     return dataclasses.replace(stack_spec,
                                submodules=dataclasses.replace(stack_spec.submodules,
                                                               moe_layer=moe_layer))

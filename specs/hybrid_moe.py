@@ -6,6 +6,12 @@ Copy this file next to your model provider (or import it from here). The name is
 function; see specs/README.md and docs/enable.md.
 """
 
-from mcore_torch_experts.specs import get_hybrid_stack_spec, torch_experts_hybrid_stack_spec
+from mcore_torch_experts.specs import (
+    fp32_combine_hybrid_stack_spec,
+    get_hybrid_stack_spec,
+    torch_experts_fp32_combine_hybrid_stack_spec,
+    torch_experts_hybrid_stack_spec,
+)
 
-__all__ = ["get_hybrid_stack_spec", "torch_experts_hybrid_stack_spec"]
+__all__ = ["fp32_combine_hybrid_stack_spec", "get_hybrid_stack_spec",
+           "torch_experts_fp32_combine_hybrid_stack_spec", "torch_experts_hybrid_stack_spec"]

@@ -112,6 +112,73 @@ def hybrid_round_trip(out: Path) -> dict:
             .__name__}
 
 
+def moe_classes(layer_specs) -> list:
+    """[MoE layer class, experts class] of each MoE layer spec among `layer_specs`."""
+    from mcore_torch_experts import _compat
+
+    mlps = [layer.submodules.mlp for layer in layer_specs]
+    return [[_compat.spec_class(mlp).__name__,
+             _compat.spec_class(_compat.moe_submodules(mlp).experts).__name__]
+            for mlp in mlps if _compat.is_moe_mlp_spec(mlp)]
+
+
+def entry_point_round_trips(provider, out: Path) -> dict:
+    """Every launcher entry point named on a GPT provider (`transformer_layer_spec`) or a hybrid
+    one (`hybrid_stack_spec`), through run_config.yaml and back: what the YAML records, and the
+    MoE layers of the spec the provider resolves before and after (the prefix is allowed)."""
+    from megatron.bridge.models.hybrid.hybrid_provider import HybridModelProvider
+
+    from mcore_torch_experts import specs
+
+    trips = {}
+    for name in ("torch_experts_gpt_spec", "torch_experts_fp32_combine_gpt_spec",
+                 "fp32_combine_gpt_spec"):
+        provider.transformer_layer_spec = getattr(specs, name)
+        before = moe_classes(provider.transformer_layer_spec(provider).layer_specs)
+        write_run_config(provider, out / f"{name}.yaml")
+        reloaded = read_provider(out / f"{name}.yaml")
+        reloaded.finalize()
+        trips[name] = {"recorded": run_config_entry(out / f"{name}.yaml", "transformer_layer_spec"),
+                       "before": before,
+                       "after": moe_classes(reloaded.transformer_layer_spec(reloaded).layer_specs)}
+    provider.transformer_layer_spec = specs.torch_experts_gpt_spec
+    for name in ("torch_experts_hybrid_stack_spec", "torch_experts_fp32_combine_hybrid_stack_spec",
+                 "fp32_combine_hybrid_stack_spec"):
+        hybrid = HybridModelProvider(
+            num_layers=2, hybrid_layer_pattern="*E", hidden_size=64, num_attention_heads=4,
+            ffn_hidden_size=128, num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2,
+            moe_grouped_gemm=True, vocab_size=128, apply_rope_fusion=False,
+            hybrid_stack_spec=getattr(specs, name))
+        hybrid.finalize()
+        before = moe_classes([hybrid._resolve_hybrid_stack_spec().submodules.moe_layer])
+        write_run_config(hybrid, out / f"{name}.yaml")
+        reloaded = read_provider(out / f"{name}.yaml")
+        reloaded.finalize()
+        trips[name] = {
+            "recorded": run_config_entry(out / f"{name}.yaml", "hybrid_stack_spec"),
+            "before": before,
+            "after": moe_classes([reloaded._resolve_hybrid_stack_spec().submodules.moe_layer])}
+    return trips
+
+
+def plain_attribute(provider, out: Path) -> dict:
+    """A package setting put on the provider as a plain attribute: absent from run_config.yaml,
+    and refused by the entry point the provider names."""
+    provider.moe_combine_in_fp32 = True
+    write_run_config(provider, out / "plain_attribute.yaml")
+    try:
+        provider.transformer_layer_spec(provider)
+        refusal = None
+    except Exception as error:
+        refusal = f"{type(error).__name__}: {error}"
+    del provider.moe_combine_in_fp32
+    import yaml
+
+    model = yaml.safe_load((out / "plain_attribute.yaml").read_text())["model"]
+    return {"plain_attribute_recorded": "moe_combine_in_fp32" in model,
+            "plain_attribute_refusal": refusal}
+
+
 def load_nemo_rl_extension():
     """examples/nemo_rl_worker.py, imported where NeMo-RL and Ray are not installed: stand-ins for
     the three names it imports exist only during its import (its worker class is not run)."""
@@ -313,6 +380,8 @@ def main(out: Path, result_path: Path) -> None:
     result["reloaded_logits_max_abs"] = example.max_abs(example.megatron_logits(reloaded, tokens),
                                                         trained)
     result.update(hybrid_round_trip(out))
+    result["entry_point_round_trips"] = entry_point_round_trips(reloaded_provider, out)
+    result.update(plain_attribute(reloaded_provider, out))
     result.update(bridge_peft_snippet(reloaded_provider))
     result_path.write_text(json.dumps(result))
 

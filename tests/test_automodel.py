@@ -4,6 +4,8 @@ for bit on the CPU (FP32 and BF16, frozen and trainable experts), the FP64 refer
 rounding, no full-size FP32 temporary in forward or backward (peak RSS), scoped to the modules
 given and undoable, and the refusals."""
 
+import copy
+import io
 import json
 import os
 import subprocess
@@ -27,7 +29,7 @@ from nemo_automodel.components.moe.config import MoEConfig  # noqa: E402
 from nemo_automodel.components.moe.experts import GroupedExperts, GroupedExpertsDeepEP  # noqa: E402
 from nemo_automodel.components.moe.layers import MoE  # noqa: E402
 
-from mcore_torch_experts import automodel  # noqa: E402
+from mcore_torch_experts import automodel, combine  # noqa: E402
 from mcore_torch_experts.automodel import (  # noqa: E402
     AutomodelCombineError,
     install_fp32_combine,
@@ -315,6 +317,56 @@ def test_scoped_to_the_modules_given_idempotent_and_undone(combine_calls):
     assert "_forward_grouped_mm" not in vars(layer.experts)
     assert_bitwise(shipped, layer_step())
     assert len(combine_calls) == 1
+
+
+def doubled_combine(expert_out, token_ids, num_tokens):
+    """A combine the shipped module cannot be mistaken for (module level: pickled by name)."""
+    return 2 * fp32_combine(expert_out, token_ids, num_tokens, backend="torch")
+
+
+def pickled(module):
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("round_trip", [pickled, copy.deepcopy], ids=["pickle", "deepcopy"])
+def test_the_combine_survives_pickling_and_deep_copies(round_trip):
+    """torch.save / torch.load (checkpoints, multiprocessing) and deepcopy give back a module that
+    runs the installed combine, that remove_combine undoes and that install_combine takes again;
+    the original is unchanged."""
+    layer = fill(MoE(moe_config(), backend()))
+    x = routed_batch()[0]
+    shipped = layer(x)
+    shipped_state = sorted(vars(layer.experts))
+    assert automodel.install_combine(layer, doubled_combine) == ["experts"]
+    copied = round_trip(layer)
+    assert torch.equal(copied(x), 2 * shipped)
+    assert torch.equal(layer(x), 2 * shipped)
+    assert remove_combine(copied) == ["experts"]
+    assert sorted(vars(copied.experts)) == shipped_state  # nothing of the combine left
+    assert torch.equal(copied(x), shipped)
+    assert automodel.install_combine(copied, doubled_combine) == ["experts"]
+    assert torch.equal(copied(x), 2 * shipped)
+    assert torch.equal(layer(x), 2 * shipped)
+
+
+def test_fp32_combine_options_survive_pickling(monkeypatch):
+    """The reloaded module calls fp32_combine (the package's, looked up by name on load: here a
+    spy) with the options given at install."""
+    layer = fill(MoE(moe_config(), backend()))
+    install_fp32_combine(layer, chunk_rows=7, backend="torch")
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    calls = []
+    monkeypatch.setattr(combine, "fp32_combine",
+                        lambda *a, **k: calls.append(k) or fp32_combine(*a, **k))
+    buffer.seek(0)
+    copied = torch.load(buffer, weights_only=False)
+    copied(routed_batch()[0])
+    assert calls == [dict(chunk_rows=7, backend="torch")]
+    assert remove_combine(copied) == ["experts"]
 
 
 def test_docs_snippet_installs_and_removes():

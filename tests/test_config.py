@@ -174,6 +174,34 @@ def test_construction_refuses_flags_before_megatron_checks_them(settings, named,
     assert fix in message
 
 
+@pytest.mark.parametrize("settings, setting", [
+    (dict(moe_expert_gemm_backend="torch"), "moe_expert_gemm_backend='torch'"),
+    (dict(moe_combine_in_fp32=True), "moe_combine_in_fp32=True"),
+    (dict(moe_expert_gemm_backend="torch", moe_combine_in_fp32=True),
+     "moe_expert_gemm_backend='torch'"),
+], ids=["torch_backend", "fp32_combine", "both"])
+def test_construction_refuses_the_inference_transformer_impl_before_megatron_checks_it(
+        settings, setting):
+    """Megatron's own __post_init__ checks inference_optimized layers first (an empty
+    AssertionError about RMSNorm on 0.16, its own errors on 0.19); ours names the fix."""
+    with pytest.raises(TorchExpertsConfigError) as refusal:
+        TorchExpertsTransformerConfig(**VALID, **settings, transformer_impl="inference_optimized")
+    assert str(refusal.value) == (
+        f"{setting} does not support transformer_impl='inference_optimized': Megatron's "
+        "inference-optimized layers serve neither TorchGroupedMLP nor the FP32 combine (from "
+        "megatron-core 0.17 their MoE layers call the experts with a routing map and swap in "
+        "their own token dispatcher); set transformer_impl='transformer_engine' or 'local'.")
+
+
+def test_construction_refuses_a_padded_fp32_combine_before_megatron_checks_it():
+    """Megatron asks for moe_expert_capacity_factor first, which the combine would refuse next."""
+    with pytest.raises(TorchExpertsConfigError, match=(
+            "^moe_combine_in_fp32=True does not support moe_pad_expert_input_to_capacity=True: "
+            r".*set moe_pad_expert_input_to_capacity=False\.$")):
+        TorchExpertsTransformerConfig(**VALID, moe_combine_in_fp32=True,
+                                      moe_pad_expert_input_to_capacity=True)
+
+
 def test_fusions_on_the_moe_path_are_not_refused():
     """TE's fused permutation, router fusion and SwiGLU op, and Megatron's fused activations
     (weighted squared ReLU, bias SwiGLU) pass the torch backend's and the FP32 combine's checks;

@@ -139,10 +139,12 @@ def test_a_wrong_shaped_expert_weight_in_a_later_layer_is_refused_before_any_lay
     assert_same_objects(model, before)
 
 
-def test_meta_device_expert_weights_are_refused_untouched(megatron_cpu):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_meta_device_expert_weights_are_refused_untouched(megatron_cpu, dtype):
     """Weights on the meta device (a model built with init_model_with_meta_device) hold no values
-    to take over; the refusal says to materialise and load them first."""
-    model = sequential_mlp_model()
+    to take over; the refusal says to materialise and load them first, before any check of the
+    settings (FP32 weights are refused off the CPU, but these have no device yet)."""
+    model = sequential_mlp_model(bf16=dtype == torch.bfloat16, params_dtype=dtype)
     model.get_submodule(EXPERTS[1]).to("meta")
     before = modules_and_parameters(model)
     with pytest.raises(ValueError, match=re.escape(

@@ -142,6 +142,27 @@ def test_malformed_splits_raise(megatron_cpu, splits, message):
         experts(torch.randn(12, HIDDEN).bfloat16(), splits, torch.rand(12))
 
 
+def test_a_list_of_0d_integer_tensors_is_counts(megatron_cpu):
+    """`list(tokens_per_expert)` gives 0-d int64 tensors: the same split as the tensor itself."""
+    _, experts, _ = build_pair(megatron_cpu)
+    splits = torch.tensor([5, 0, 4, 3])
+    x, probs = torch.randn(12, HIDDEN).bfloat16(), torch.rand(12)
+    expected = experts(x, splits, probs)[0]
+    for as_list in (list(splits), list(splits.int()), [5, torch.tensor(0), 4, splits[3]]):
+        assert torch.equal(experts(x, as_list, probs)[0], expected)
+
+
+@pytest.mark.parametrize("splits, message", [
+    (list(torch.tensor([3.0, 3.0, 3.0, 3.0])), r"integer counts, got tensor\(3\.\)"),
+    (list(torch.tensor([True, False, True, True])), r"integer counts, got tensor\(True\)"),
+    ([torch.tensor([6]), 6, 0, 0], r"integer counts, got tensor\(\[6\]\)"),
+])
+def test_a_list_of_float_bool_or_non_scalar_tensors_is_refused(megatron_cpu, splits, message):
+    _, experts, _ = build_pair(megatron_cpu)
+    with pytest.raises(ValueError, match=message):
+        experts(torch.randn(12, HIDDEN).bfloat16(), splits, torch.rand(12))
+
+
 def test_wrong_input_width_and_dtype_raise(megatron_cpu):
     _, experts, _ = build_pair(megatron_cpu)
     with pytest.raises(ValueError, match=r"expects input \[T, 32\]"):

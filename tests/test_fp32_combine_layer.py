@@ -91,6 +91,25 @@ def test_unsupported_dispatcher_is_refused(megatron_world):
         moe_layer_module.route_unpermute_through(object(), lambda *a: None)
 
 
+@pytest.mark.parametrize("settings, named", [
+    (dict(moe_token_dispatcher_type="flex"), "moe_token_dispatcher_type='flex'"),
+    (dict(moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=1.0),
+     "moe_pad_expert_input_to_capacity=True"),
+], ids=["flex", "drop-and-pad"])
+def test_the_layer_built_from_any_spec_refuses_before_megatron_builds_it(megatron_world,
+                                                                        settings, named):
+    """A spec of someone else's naming FP32CombineMoELayer: the combine's refusal, not Megatron's
+    dispatcher's (flex wants DeepEP or HybridEP) nor a half-built layer's."""
+    from mcore_torch_experts import TorchExpertsConfigError
+
+    config = make_config(num_experts=EXPERTS, hidden=HIDDEN, ffn=64, moe_router_topk=TOP_K,
+                         moe_aux_loss_coeff=0.0, **settings)
+    config.moe_expert_gemm_backend = "torch"
+    with pytest.raises(TorchExpertsConfigError,
+                       match=f"^moe_combine_in_fp32=True does not support {named}: "):
+        moe_layer(config, FP32CombineMoELayer)
+
+
 def test_reference_spec_builds_fp32_combine_layers_when_asked():
     from mcore_torch_experts import TorchExpertsTransformerConfig, TorchGroupedMLP
 

@@ -17,15 +17,18 @@ import pytest
 import torch
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.moe.experts import SequentialMLP
-from megatron.core.transformer.moe.moe_layer import MoESubmodules
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mcore_torch_experts import TorchExpertsConfigError, TorchGroupedMLP, _compat, specs
+from mcore_torch_experts import (TorchExpertsConfigError, TorchExpertsTransformerConfig,
+                                 TorchGroupedMLP, _compat, specs)
+from mcore_torch_experts.moe_layer import FP32CombineMoELayer
 from bridge_support import import_bridge_peft, run_worker
 from reference import rel_err
 from test_specs import GRAD_TOL, LOGITS_TOL, experts_class, mlp_kinds, plain_config, spec_structure
 from tiny_gpt import (assert_experts_built_frozen, forward_backward, freeze_experts, gpt,
-                      sequential_to_grouped)
+                      sequential_to_grouped, tiny_config)
 
 
 def with_torch_experts_in_moe_layers(structure):
@@ -62,8 +65,10 @@ def test_gpt_spec_without_the_backend_field_is_megatrons_block_with_torch_expert
         megatron.layer_specs[0].submodules.self_attention.submodules.linear_qkv
 
 
-def test_gpt_spec_says_transformer_engine_gives_megatrons_spec_unchanged(megatron_cpu):
-    config = plain_config(transformer_impl="local", moe_expert_gemm_backend="transformer_engine")
+def test_gpt_spec_on_a_transformer_engine_backend_field_gives_megatrons_spec_unchanged(
+        megatron_cpu):
+    config = tiny_config(transformer_impl="local", moe_grouped_gemm=True)
+    assert config.moe_expert_gemm_backend == "transformer_engine"  # a field: the YAML keeps it
     ours = specs.torch_experts_gpt_spec(config)
     assert spec_structure(ours) == spec_structure(gpt_layer_specs.get_gpt_decoder_block_spec(
         config, False, normalization=config.normalization, qk_l2_norm=config.qk_l2_norm))
@@ -86,10 +91,18 @@ def test_gpt_spec_passes_the_pipeline_stage_to_megatron(megatron_cpu, monkeypatc
 CONFIG_REFUSALS = {
     "add_bias_linear": (True, "add_bias_linear=True: expert weights must be bias-free"),
     "moe_grouped_gemm": (False, "moe_grouped_gemm=False: set moe_grouped_gemm=True"),
-    "moe_expert_gemm_backend": ("Torch", "moe_expert_gemm_backend='Torch' is not a backend"),
 }
 ENTRY_POINTS = {"gpt": specs.torch_experts_gpt_spec,
                 "hybrid": specs.torch_experts_hybrid_stack_spec}
+# Every launcher entry point: (experts, MoE layer) it builds from a config without our fields.
+LAUNCHER_ENTRY_POINTS = {
+    "torch_experts_gpt_spec": ("torch", MoELayer),
+    "torch_experts_fp32_combine_gpt_spec": ("torch", FP32CombineMoELayer),
+    "fp32_combine_gpt_spec": ("megatron", FP32CombineMoELayer),
+    "torch_experts_hybrid_stack_spec": ("torch", MoELayer),
+    "torch_experts_fp32_combine_hybrid_stack_spec": ("torch", FP32CombineMoELayer),
+    "fp32_combine_hybrid_stack_spec": ("megatron", FP32CombineMoELayer),
+}
 
 
 @pytest.mark.parametrize("field", list(CONFIG_REFUSALS))
@@ -100,6 +113,73 @@ def test_entry_points_refuse_on_the_config_they_are_given(megatron_cpu, field, e
     setattr(config, field, value)
     with pytest.raises(TorchExpertsConfigError, match=message):
         ENTRY_POINTS[entry](config)
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_entry_points_refuse_a_misspelt_backend_field(megatron_cpu, entry):
+    config = tiny_config(transformer_impl="local", moe_grouped_gemm=True)
+    config.moe_expert_gemm_backend = "Torch"
+    with pytest.raises(TorchExpertsConfigError,
+                       match="moe_expert_gemm_backend='Torch' is not a backend"):
+        ENTRY_POINTS[entry](config)
+
+
+def moe_layer_specs(entry, spec):
+    """The MoE layer specs of what a GPT or hybrid launcher entry point returned."""
+    if entry.endswith("_gpt_spec"):
+        return [layer.submodules.mlp for layer in spec.layer_specs[1:]]
+    return [spec.submodules.moe_layer.submodules.mlp]
+
+
+@pytest.mark.parametrize("entry", list(LAUNCHER_ENTRY_POINTS))
+def test_each_launcher_entry_point_builds_what_its_name_says(megatron_cpu, entry):
+    """Launchers record the import path alone (Bridge's run_config.yaml): it is the whole choice."""
+    experts, layer = LAUNCHER_ENTRY_POINTS[entry]
+    config = plain_config(transformer_impl="local")
+    if entry.endswith("_gpt_spec"):
+        megatron = [layer.submodules.mlp for layer in gpt_layer_specs.get_gpt_decoder_block_spec(
+            config, False, normalization=config.normalization).layer_specs[1:]]
+    else:
+        megatron = [_compat.megatron_hybrid_stack_spec().submodules.moe_layer.submodules.mlp]
+    megatron_experts = {_compat.spec_class(_compat.moe_submodules(m).experts) for m in megatron}
+    assert TorchGroupedMLP not in megatron_experts
+    built = moe_layer_specs(entry, getattr(specs, entry)(config))
+    assert {_compat.spec_class(m) for m in built} == {layer}
+    assert {_compat.spec_class(_compat.moe_submodules(m).experts) for m in built} == \
+        ({TorchGroupedMLP} if experts == "torch" else megatron_experts)
+
+
+PLAIN_SETTINGS = {"moe_expert_gemm_backend": "transformer_engine", "moe_combine_in_fp32": True,
+                  "moe_combine_chunk_rows": 512, "moe_combine_backend": "torch",
+                  "moe_expert_kernel": "grouped_mm"}
+
+
+def test_the_plain_setting_cases_are_the_package_fields():
+    assert set(PLAIN_SETTINGS) == {f.name for f in dataclasses.fields(
+        TorchExpertsTransformerConfig)} - {f.name for f in dataclasses.fields(TransformerConfig)}
+
+
+@pytest.mark.parametrize("field", list(PLAIN_SETTINGS))
+@pytest.mark.parametrize("entry", list(LAUNCHER_ENTRY_POINTS))
+def test_a_package_setting_held_as_a_plain_attribute_is_refused(megatron_cpu, entry, field):
+    """Bridge's run_config.yaml records dataclass fields only: a provider rebuilt from it would
+    build without the setting, so the first build refuses it, naming what to do instead."""
+    value = PLAIN_SETTINGS[field]
+    config = plain_config(transformer_impl="local", **{field: value})
+    with pytest.raises(TorchExpertsConfigError) as refusal:
+        getattr(specs, entry)(config)
+    message = str(refusal.value)
+    assert message.startswith(
+        f"{entry} does not support {field}={value!r}: a plain attribute of TransformerConfig "
+        "(not a dataclass field) is not recorded in Megatron-Bridge's run_config.yaml, so a "
+        "provider rebuilt from it (NeMo-RL's policy and reference models are) would build "
+        "without it; ")
+    fix = {"moe_expert_gemm_backend": "fp32_combine_gpt_spec (Megatron's experts with the FP32 "
+                                      "combine) or Megatron's own spec",
+           "moe_combine_in_fp32": "name torch_experts_fp32_combine_gpt_spec",
+           "moe_combine_chunk_rows": "set MCORE_TORCH_EXPERTS_COMBINE_CHUNK_ROWS",
+           "moe_combine_backend": "remove it", "moe_expert_kernel": "remove it"}[field]
+    assert fix in message
 
 
 def test_gpt_entry_point_refuses_the_inference_transformer_impl(megatron_cpu):
@@ -119,8 +199,7 @@ def test_hybrid_stack_spec_without_the_backend_field_swaps_only_the_moe_experts(
     others = [f.name for f in dataclasses.fields(megatron.submodules) if f.name != "moe_layer"]
     assert all(getattr(ours.submodules, name) is getattr(megatron.submodules, name)
                for name in others)
-    unchanged = specs.torch_experts_hybrid_stack_spec(
-        plain_config(moe_expert_gemm_backend="transformer_engine"))
+    unchanged = specs.torch_experts_hybrid_stack_spec(tiny_config(moe_grouped_gemm=True))
     assert experts_class(unchanged.submodules.moe_layer) is \
         experts_class(megatron.submodules.moe_layer)
 
@@ -218,6 +297,26 @@ def test_bridge_run_config_keeps_the_spec_and_reloads_it_once_the_prefix_is_allo
     assert bridge_run["reloaded_spec"] == "mcore_torch_experts.specs.torch_experts_gpt_spec"
     assert bridge_run["reloaded_experts"] == ["TorchGroupedMLP", "TorchGroupedMLP"]
     assert bridge_run["reloaded_logits_max_abs"] < 1e-5  # the trained weights, reloaded
+
+
+@pytest.mark.parametrize("entry", list(LAUNCHER_ENTRY_POINTS))
+def test_every_launcher_entry_point_survives_bridges_run_config_round_trip(bridge_run, entry):
+    """What NeMo-RL does to the policy and reference models: the provider rebuilt from
+    run_config.yaml resolves the MoE layers the original did, the ones the name says."""
+    trip = bridge_run["entry_point_round_trips"][entry]
+    assert trip["recorded"] == {"_target_": f"mcore_torch_experts.specs.{entry}", "_call_": False}
+    experts, layer = LAUNCHER_ENTRY_POINTS[entry]
+    assert trip["after"] == trip["before"] and trip["before"]
+    assert {layer_class for layer_class, _ in trip["before"]} == {layer.__name__}
+    assert ({experts_class for _, experts_class in trip["before"]} == {"TorchGroupedMLP"}) == \
+        (experts == "torch")
+
+
+def test_bridge_run_config_drops_a_plain_attribute_which_the_entry_point_refuses(bridge_run):
+    assert not bridge_run["plain_attribute_recorded"]
+    assert bridge_run["plain_attribute_refusal"].startswith(
+        "TorchExpertsConfigError: torch_experts_gpt_spec does not support "
+        "moe_combine_in_fp32=True: a plain attribute of GPTModelProvider (not a dataclass field)")
 
 
 def test_bridge_hybrid_provider_keeps_the_hybrid_spec_through_its_run_config(bridge_run):

@@ -116,6 +116,27 @@ def test_spec_builder_arguments_are_checked_too():
         specs.get_gpt_layer_local_spec(config, use_te_op_fuser=True)
 
 
+@pytest.mark.parametrize("helper", [specs.get_gpt_layer_local_spec,
+                                    specs.get_gpt_layer_with_transformer_engine_spec])
+def test_a_grouped_gemm_argument_the_torch_backend_cannot_honour_is_refused(helper):
+    """moe_grouped_gemm=False asks Megatron's builder for SequentialMLP; the config field of the
+    same name is refused, and so is the argument, which overrides it."""
+    config = tiny_config(moe_expert_gemm_backend="torch", moe_grouped_gemm=True)
+    with pytest.raises(TorchExpertsConfigError, match=re.escape(
+            "moe_expert_gemm_backend='torch' does not support moe_grouped_gemm=False: "
+            "TorchGroupedMLP is a grouped experts module; pass moe_grouped_gemm=True or leave "
+            "the argument out.")):
+        helper(config, moe_grouped_gemm=False)
+
+
+def test_a_grouped_gemm_argument_is_megatrons_with_the_default_backend():
+    local = specs.get_gpt_layer_local_spec
+    torch_config = tiny_config(moe_expert_gemm_backend="torch", moe_grouped_gemm=True)
+    assert experts_class(local(torch_config, moe_grouped_gemm=True)) is TorchGroupedMLP
+    megatron = tiny_config(moe_grouped_gemm=True)
+    assert experts_class(local(megatron, moe_grouped_gemm=False)) is SequentialMLP
+
+
 def plain_config(**attributes):
     """A plain TransformerConfig (as MLA configs and Bridge providers are) with the flag, when
     given, set as an attribute."""
