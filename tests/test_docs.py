@@ -1,28 +1,78 @@
-"""docs/enable.md publishes only snippets that run: every code block is named, every name is run
-by a test, and the snippets that need no launcher run here on every release."""
+"""The published pages (README.md, docs/*.md) show only code that runs: every code block is
+named, every name is run by a test, and the snippets that need no launcher run here on every
+release."""
 
 import re
+import shlex
 from pathlib import Path
 
+import pytest
+import torch
 from megatron.core.models.gpt import gpt_layer_specs
 
-from doc_snippets import ENABLE_MD, run_snippet, snippets
-from mcore_torch_experts import TorchGroupedMLP
+from doc_snippets import PUBLISHED, README_MD, code_blocks, run_snippet, snippet, snippets
+from mcore_torch_experts import TorchGroupedMLP, apply_lora, build_gpt_model
+from te_support import needs_te
 from test_specs import mlp_kinds, plain_config
-from tiny_gpt import gpt, tiny_config
+from tiny_gpt import fp32_moe_config, gpt, tiny_config
 
 TESTS = Path(__file__).parent
+REPO = TESTS.parent
 
 
-def test_every_code_block_is_a_named_snippet():
-    fences = ENABLE_MD.read_text().count("```")
-    assert fences == 2 * len(snippets()), "a code block in docs/enable.md has no snippet name"
+@pytest.mark.parametrize("doc", PUBLISHED, ids=lambda doc: doc.name)
+def test_every_code_block_is_a_named_snippet(doc):
+    assert code_blocks(doc) == len(snippets(doc)), f"a code block in {doc.name} has no snippet name"
+
+
+def test_snippet_names_are_unique_across_the_pages():
+    names = [name for doc in PUBLISHED for name in snippets(doc)]
+    assert len(names) == len(set(names)), sorted(n for n in set(names) if names.count(n) > 1)
 
 
 def test_every_snippet_is_run_by_a_test():
     sources = "".join(path.read_text() for path in TESTS.glob("*.py"))
     used = set(re.findall(r'(?:run_snippet|snippet)\("([\w-]+)"', sources))
-    assert set(snippets()) <= used, f"not run by any test: {sorted(set(snippets()) - used)}"
+    published = {name for doc in PUBLISHED for name in snippets(doc)}
+    assert published <= used, f"not run by any test: {sorted(published - used)}"
+
+
+def test_readme_commands_are_the_scripts_ci_runs():
+    commands = [shlex.split(line) for line in snippet("readme-commands", README_MD).splitlines()]
+    scripts = [words[1] for words in commands if words[:1] == ["bash"]]
+    assert scripts == ["scripts/run_example.sh", "scripts/run_tests.sh"]
+    assert all((REPO / script).is_file() for script in scripts)
+    ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines()
+          if line and not line.startswith(("#", "set ", "cd "))]
+    assert ci == ["bash scripts/run_tests.sh"], "CI must run the README's test command, only it"
+
+
+@needs_te[0]
+@needs_te[1]
+def test_readme_flag_snippet_gives_torch_experts(te_world):
+    """Megatron's TE layer spec, which the snippet names, needs Transformer Engine to build."""
+    spec = run_snippet("readme-flag", README_MD)["layer_spec"]
+    assert spec.submodules.mlp.submodules.experts.module is TorchGroupedMLP
+
+
+def test_guarantees_lora_snippet_saves_and_strictly_reloads_the_adapters(
+        megatron_cpu_training, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = fp32_moe_config(num_layers=2)
+    torch.manual_seed(1)
+    other = build_gpt_model(config, vocab_size=32000, max_sequence_length=4096)
+    apply_lora(other, ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], rank=16,
+               alpha=32, expert_adapter="per_expert", dtype=torch.float32)
+    torch.manual_seed(2)
+    namespace = run_snippet("lora", REPO / "docs" / "guarantees.md", torch=torch,
+                            config=config, other_model_with_lora=other)
+    saved = torch.load(tmp_path / "adapters.pt")
+    adapters = {name: p for name, p in namespace["model"].named_parameters() if p.requires_grad}
+    assert adapters and set(adapters) == set(saved)
+    loaded = dict(other.named_parameters())
+    for name, value in saved.items():
+        assert torch.equal(loaded[name], value), name
+    assert any(not torch.equal(value, torch.zeros_like(value)) for value in saved.values())
 
 
 def test_gpt_spec_snippet_builds_torch_experts(megatron_cpu):
