@@ -10,7 +10,11 @@ it, and wraps two more entry points, both unchanged for every other module type:
   the experts' ColumnParallelLinear/RowParallelLinear of a SequentialMLP are;
 - `PEFT.__call__` of LoRA, CanonicalLoRA and DoRA: every module the PEFT would wrap is checked
   first (`check_bridge_peft`), so a module Bridge cannot wrap is an error before any parameter
-  is frozen or any module replaced.
+  is frozen or any module replaced;
+- `AdapterWrapper.adapter_forward`: a `GroupedExpertLinearAdapter` on a TorchGroupedLinear runs
+  `grouped_expert_adapter_forward` (one grouped GEMM per projection, no host read of the splits)
+  unless `grouped_adapter_obstacle` names a setting it cannot honour, in which case Bridge's own
+  forward runs and the reason is logged once.
 
 Importing this module (the package does) adds `register_if_bridge_loaded` to
 `experts.ON_BUILD`, so experts built in a process that imported Bridge's PEFT register at once.
@@ -24,13 +28,14 @@ linear and is refused on grouped experts (Bridge has no DoRA for TE grouped line
 
 import functools
 import sys
-from typing import List
+from typing import List, Optional
 
 import torch
 from megatron.core.utils import get_pg_size
 
 from . import experts
 from .experts import TorchGroupedLinear
+from .grouped_gemm import Splits, group_offsets
 
 _ORIGINAL = "__torch_experts_original__"
 _ATTRIBUTES_FUNCTION = "get_adapter_attributes_from_linear"
@@ -43,7 +48,7 @@ def register_with_megatron_bridge() -> bool:
     the answer is False.
     """
     try:
-        from megatron.bridge.peft import base, module_matcher, utils
+        from megatron.bridge.peft import adapter_wrapper, base, module_matcher, utils
     except ImportError:
         return False
     original = getattr(utils.get_adapter_attributes_from_linear, _ORIGINAL,
@@ -59,6 +64,9 @@ def register_with_megatron_bridge() -> bool:
                                                                      utils)
     if not hasattr(base.PEFT.__call__, _ORIGINAL):
         base.PEFT.__call__ = _checked_first(base.PEFT.__call__)
+    wrapper = adapter_wrapper.AdapterWrapper
+    if not hasattr(wrapper.adapter_forward, _ORIGINAL):
+        wrapper.adapter_forward = _grouped_expert_adapters(wrapper.adapter_forward, utils)
     return True
 
 
@@ -122,6 +130,102 @@ def _checked_first(original):
 
     setattr(__call__, _ORIGINAL, original)
     return __call__
+
+
+_LOGGED_OBSTACLES = set()
+
+
+def _grouped_expert_adapters(original, utils):
+    @functools.wraps(original)
+    def adapter_forward(self, adapter, x, *args, **kwargs):
+        base = self.to_wrap
+        if (isinstance(base, TorchGroupedLinear)
+                and isinstance(adapter, utils.GroupedExpertLinearAdapter)
+                and type(adapter).forward is utils.GroupedExpertLinearAdapter.forward):
+            splits = _splits(args, kwargs)
+            obstacle = grouped_adapter_obstacle(adapter, base, x, splits)
+            if obstacle is None:
+                return grouped_expert_adapter_forward(adapter, base, x, splits)
+            if obstacle not in _LOGGED_OBSTACLES:
+                _LOGGED_OBSTACLES.add(obstacle)
+                experts.logger.warning(
+                    "mcore_torch_experts: Megatron-Bridge's per-expert LoRA on %s runs Bridge's own "
+                    "forward (a slice per expert and a host read of the splits), not one grouped "
+                    "GEMM per projection: %s", base.name, obstacle)
+        return original(self, adapter, x, *args, **kwargs)
+
+    setattr(adapter_forward, _ORIGINAL, original)
+    return adapter_forward
+
+
+def _splits(args, kwargs) -> Optional[Splits]:
+    """The token splits as Bridge's adapter finds them: `m_splits=`, `tokens_per_expert=`, or
+    the first extra positional argument."""
+    for key in ("m_splits", "tokens_per_expert"):
+        if kwargs.get(key) is not None:
+            return kwargs[key]
+    return args[0] if args else None
+
+
+def grouped_adapter_obstacle(adapter, base: TorchGroupedLinear, x: torch.Tensor,
+                             splits: Optional[Splits]) -> Optional[str]:
+    """Why Bridge's GroupedExpertLinearAdapter `adapter` on `base` must run Bridge's own forward
+    on x [T, in] (a sentence naming the setting), or None: it runs grouped_expert_adapter_forward."""
+    if splits is None:
+        return "no token splits were passed (Bridge's forward raises)"
+    if adapter._is_te_fp8_enabled():
+        return "Transformer Engine FP8 autocast is on (Bridge's TE FP8 grouped linear)"
+    etp = get_pg_size(base._pg_collection.expt_tp)
+    if etp > 1:
+        return (f"expert_tensor_parallel_size={etp} (Bridge gathers and pads the rank-r "
+                "activation across expert-TP ranks); set expert_tensor_parallel_size=1")
+    a, b = adapter.linear_in.weight, adapter.linear_out.weight
+    if not a.dtype == b.dtype == x.dtype:
+        return (f"adapter weights are {a.dtype}/{b.dtype} and the input {x.dtype}; keep the "
+                "adapters in the experts' dtype (Bridge's default params_dtype)")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"input dtype {x.dtype}: grouped GEMM takes float32, bfloat16 or float16"
+    sizes = {"in_features": a.shape[2], "dim": a.shape[1], "out_features": b.shape[1]}
+    unaligned = {k: v for k, v in sizes.items() if v * x.element_size() % 16}
+    if unaligned:
+        return (f"{unaligned} in {x.dtype}: grouped GEMM needs 16-byte rows; choose a dim "
+                f"(after normalize_moe_lora) that is a multiple of {16 // x.element_size()}")
+    return None
+
+
+def _offsets(splits: Splits, num_experts: int, x: torch.Tensor) -> torch.Tensor:
+    """Cumulative row ends, int32 [E], on x's device. A tensor is not read on the host (the
+    base linear has checked these splits in the same call); a list is checked by group_offsets."""
+    if isinstance(splits, torch.Tensor):
+        return splits.to(x.device, non_blocking=True).cumsum(0).to(torch.int32)
+    return group_offsets(splits, num_experts, x.shape[0], x.device)
+
+
+def grouped_expert_adapter_forward(adapter, base: TorchGroupedLinear, x: torch.Tensor,
+                                   splits: Splits) -> torch.Tensor:
+    """Bridge's GroupedExpertLinearAdapter math on x [T, in] (rows contiguous by expert) with
+    splits [E] -> [T, out]: dropout (pre) -> A_e -> activation -> B_e -> dropout (post) ->
+    * alpha / dim, each projection one grouped GEMM over the rows as they are; the factors
+    A [E, r, in], B [E, out, r] are read through Bridge's weight containers (their hooks run)."""
+    if adapter.dropout_position == "pre":
+        x = adapter.dropout(x)
+    a, b = adapter.linear_in(), adapter.linear_out()
+    scale = adapter.alpha / adapter.dim
+    if x.shape[0] == 0:  # as Bridge: zero gradients, not None, for both factors
+        anchor = a.reshape(-1)[0] + b.reshape(-1)[0]
+        return (x.new_empty((0, b.shape[1])) + anchor * 0.0) * scale
+    offload = adapter.config.cpu_offloading and adapter.config.cpu_offloading_activations
+    grouped_input = x.contiguous().view_as(x)  # a tensor of our own to mark for offloading
+    if offload:
+        grouped_input.activation_offloading = True
+    offs = _offsets(splits, base.num_experts, x)
+    hidden = adapter.activation(base._grouped_mm(grouped_input, a.transpose(1, 2), offs=offs))
+    if offload:
+        hidden.activation_offloading = True
+    out = base._grouped_mm(hidden, b.transpose(1, 2), offs=offs)
+    if adapter.dropout_position == "post":
+        out = adapter.dropout(out)
+    return out * scale
 
 
 def _wrappable_types(utils) -> tuple:
