@@ -51,6 +51,26 @@ def bridge():
                 utils=utils)
 
 
+@pytest.fixture(autouse=True)
+def bridge_per_expert_forward(bridge, monkeypatch):
+    """Bridge's own GroupedExpertLinearAdapter.forward raises in every test of this module: its
+    per-expert adapters on TorchGroupedLinear must take the grouped path. A test that needs
+    Bridge's forward calls `allow()` (it then counts the calls in `calls`)."""
+    cls = bridge["utils"].GroupedExpertLinearAdapter
+    original, calls = cls.forward, []
+
+    def refused(self, *args, **kwargs):
+        raise AssertionError("Bridge's GroupedExpertLinearAdapter.forward ran on TorchGroupedLinear")
+
+    def counted(self, *args, **kwargs):
+        calls.append(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "forward", refused)
+    return type("BridgeForward", (), dict(calls=calls, allow=staticmethod(
+        lambda: monkeypatch.setattr(cls, "forward", counted))))
+
+
 def randomize_adapters(model, seed=1):
     """B starts at zero; random adapter weights exercise every factor and gradient."""
     generator = torch.Generator().manual_seed(seed)
@@ -481,3 +501,187 @@ def test_merge_refuses_a_disabled_adapter_and_changes_nothing(bridge, megatron_c
     assert root.mlp.experts.linear_fc1 is wrappers[0] and root.mlp.experts.linear_fc2 is wrappers[1]
     assert all(torch.equal(wrapper.to_wrap.packed_weight, weights)
                for wrapper, weights in zip(wrappers, packed))
+
+
+# --- Bridge's per-expert adapters: one grouped GEMM per projection ------------------------------
+
+
+def per_expert_experts(config, pg_collection, device, **lora_kwargs):
+    """TorchGroupedMLP with Bridge's per-expert LoRA (dim 16 unless given), random factors, on
+    `device`."""
+    root = experts_holder(config, pg_collection)
+    bridge_lora = import_lora()
+    bridge_lora(target_modules=["linear_fc1", "linear_fc2"], **dict(dict(dim=16, alpha=8),
+                **lora_kwargs), share_expert_adapters=False)(root)
+    randomize_adapters(root)
+    return root.to(device).mlp.experts
+
+
+def import_lora():
+    from megatron.bridge.peft.lora import LoRA
+
+    return LoRA
+
+
+def run_experts(experts, splits, dtype, device, seed=2, splits_on=None):
+    """Output and every gradient (input, each adapter factor) of one forward/backward."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(splits), experts.config.hidden_size, generator=generator).to(device, dtype)
+    x.requires_grad_(True)
+    probs = torch.rand(sum(splits), generator=generator).to(device)
+    experts.zero_grad()
+    out, _ = experts(x, torch.tensor(splits, device=splits_on or device), probs)
+    out.backward(torch.randn(out.shape, generator=generator).to(device, dtype))
+    return [out.detach(), x.grad] + [p.grad.clone() for n, p in sorted(experts.named_parameters())
+                                     if p.requires_grad]
+
+
+def with_bridge_forward(experts, bridge_per_expert_forward, fn):
+    """fn() with Bridge's own adapter_forward (and adapter forward) in place of the grouped path."""
+    from megatron.bridge.peft.adapter_wrapper import AdapterWrapper
+
+    bridge_per_expert_forward.allow()
+    grouped = AdapterWrapper.adapter_forward
+    AdapterWrapper.adapter_forward = getattr(grouped, _ORIGINAL)
+    try:
+        return fn()
+    finally:
+        AdapterWrapper.adapter_forward = grouped
+
+
+@pytest.mark.parametrize("splits_name", list(SPLITS))
+def test_per_expert_adapters_run_grouped_bitwise_run_to_run_and_as_bridge_s_path(
+        bridge, megatron_cpu, bridge_per_expert_forward, splits_name, monkeypatch):
+    """The grouped path runs (Bridge's forward is refused, ours counted), twice bitwise equal,
+    and within FP32 rounding of Bridge's own per-expert loop on the same model and inputs."""
+    from mcore_torch_experts import bridge as ours
+
+    grouped_calls = []
+    forward = ours.grouped_expert_adapter_forward
+    monkeypatch.setattr(ours, "grouped_expert_adapter_forward",
+                        lambda *a: grouped_calls.append(a[1].name) or forward(*a))
+    experts = per_expert_experts(make_config(dtype=torch.float32, hidden=64, ffn=64),
+                                 megatron_cpu, "cpu")
+    splits = SPLITS[splits_name]
+    first, second = (run_experts(experts, splits, torch.float32, "cpu") for _ in range(2))
+    assert grouped_calls == ["linear_fc1", "linear_fc2"] * 2
+    assert len(first) == 2 + 4 and all(torch.equal(a, b) for a, b in zip(first, second))
+    bridge_s = with_bridge_forward(experts, bridge_per_expert_forward,
+                                   lambda: run_experts(experts, splits, torch.float32, "cpu"))
+    assert len(bridge_per_expert_forward.calls) == 2
+    errors = [rel_err(a, b) if b.abs().sum() else float((a - b).abs().sum())  # empty batch: zeros
+              for a, b in zip(first, bridge_s)]
+    assert max(errors) < 1e-6, errors
+
+
+def test_per_expert_adapters_read_no_split_on_the_host(bridge, megatron_cpu,
+                                                       bridge_per_expert_forward, monkeypatch):
+    """Forward and backward of both adapters read no tensor on the host (`tolist`, `item`, int,
+    bool, float): on a GPU, such a read of the device splits is a host sync. Bridge's own
+    forward, counted the same way, reads the splits."""
+    experts = per_expert_experts(make_config(dtype=torch.float32, hidden=64, ffn=64),
+                                 megatron_cpu, "cpu")
+    splits = torch.tensor(SPLITS["zero_experts"])
+    x = torch.randn(int(splits.sum()), 64, requires_grad=True)
+    reads = []
+    for name in ("tolist", "item", "__int__", "__index__", "__bool__", "__float__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _name=name, _f=original:
+                            reads.append(_name) or _f(self, *a))
+
+    def adapters_forward_backward():
+        h = x
+        for wrapper in (experts.linear_fc1, experts.linear_fc2):
+            h = wrapper.adapter_forward(wrapper.adapter, h[:, :64].contiguous(), splits)
+        h.sum().backward()
+
+    adapters_forward_backward()
+    assert reads == []
+    with_bridge_forward(experts, bridge_per_expert_forward, adapters_forward_backward)
+    assert "tolist" in reads and len(bridge_per_expert_forward.calls) == 2
+
+
+@pytest.mark.parametrize("position", ["pre", "post"])
+def test_per_expert_adapter_dropout_is_bridge_s(bridge, megatron_cpu, bridge_per_expert_forward,
+                                                position):
+    """dropout=0.5 in either position: `pre` draws Bridge's mask (its forward, same seed, gives
+    the same output); `post` zeroes elements of the adapter output and scales the rest by 2."""
+    experts = per_expert_experts(make_config(dtype=torch.float32, hidden=64, ffn=64), megatron_cpu,
+                                 "cpu", dropout=0.5, dropout_position=position)
+    wrapper = experts.linear_fc1
+    splits = torch.tensor(SPLITS["zero_experts"])
+    x = torch.randn(int(splits.sum()), 64)
+
+    def adapter_out(seed):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            return wrapper.adapter_forward(wrapper.adapter, x, splits)
+
+    out = adapter_out(0)
+    assert torch.equal(out, adapter_out(0)) and not torch.equal(out, adapter_out(1))
+    wrapper.adapter.eval()
+    plain = adapter_out(0)
+    wrapper.adapter.train()
+    if position == "pre":
+        bridge_s = with_bridge_forward(experts, bridge_per_expert_forward, lambda: adapter_out(0))
+        assert rel_err(out, bridge_s) < 1e-6 and rel_err(out, plain) > 0.1
+    else:
+        kept = out != 0
+        assert 0.3 < kept.float().mean() < 0.7
+        assert rel_err(out[kept], 2 * plain[kept]) < 1e-6
+
+
+@pytest.mark.parametrize("dtype,dim,setting", [
+    (torch.float32, 6, "{'dim': 6} in torch.float32"),
+    (torch.bfloat16, 4, "{'dim': 4} in torch.bfloat16")])
+def test_a_setting_grouped_gemm_cannot_take_runs_bridge_s_forward_and_says_so_once(
+        bridge, megatron_cpu, bridge_per_expert_forward, caplog, dtype, dim, setting):
+    """A rank whose rows are not 16-byte multiples: Bridge's own forward runs (results against
+    the FP64 loop), and one warning names the setting."""
+    import logging
+
+    from mcore_torch_experts import bridge as ours
+
+    ours._LOGGED_OBSTACLES.clear()
+    bridge_per_expert_forward.allow()
+    config = make_config(dtype=dtype, hidden=64, ffn=64)
+    experts = per_expert_experts(config, megatron_cpu, "cpu", dim=dim)
+    splits = SPLITS["zero_experts"]
+    with caplog.at_level(logging.WARNING, logger="mcore_torch_experts"):
+        for _ in range(2):
+            out = run_experts(experts, splits, dtype, "cpu")[0]
+    assert len(bridge_per_expert_forward.calls) == 4
+    warnings = [r.getMessage() for r in caplog.records if "Bridge's own forward" in r.getMessage()]
+    assert len(warnings) == 1 and setting in warnings[0], warnings
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(sum(splits), 64, generator=generator).to(dtype)
+    probs = torch.rand(sum(splits), generator=generator)
+    ref = fp64_lora_experts(config, experts, x, splits, probs)[0]
+    assert rel_err(out, ref) < (BF16_TOL if dtype == torch.bfloat16 else 1e-5)
+
+
+@CUDA
+def test_per_expert_adapters_on_cuda_sync_free_bitwise_and_as_bridge_s_grouped_path(
+        bridge, megatron_world, bridge_per_expert_forward):
+    """BF16 on the GPU with the splits on the device: forward and backward run under CUDA's
+    sync debug mode "error", twice bitwise equal, and within BF16 rounding of Bridge's own
+    grouped-GEMM path (output and every gradient)."""
+    experts = per_expert_experts(make_config(dtype=torch.bfloat16, hidden=256, ffn=128),
+                                 megatron_world, "cuda")
+    splits = [0, 300, 17, 195]
+    run_experts(experts, splits, torch.bfloat16, "cuda")  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        first = run_experts(experts, splits, torch.bfloat16, "cuda")
+        second = run_experts(experts, splits, torch.bfloat16, "cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    bridge_s = with_bridge_forward(experts, bridge_per_expert_forward,
+                                   lambda: run_experts(experts, splits, torch.bfloat16, "cuda"))
+    assert len(bridge_per_expert_forward.calls) == 2
+    errors = [rel_err(a, b) for a, b in zip(first, bridge_s)]
+    print("grouped vs Bridge's grouped path", [f"{e:.1e}" for e in errors],
+          "bitwise" if all(torch.equal(a, b) for a, b in zip(first, bridge_s)) else "")
+    assert max(errors) < BF16_TOL, errors
