@@ -232,3 +232,16 @@ def test_automodel_combine_bench_tiny(tmp_path):
         if on_cpu:  # every variant adds each token's rows in row order, as scatter_add_ there
             assert row["y max |diff| vs shipped"] == 0 and row["y repro"], row
             assert row["grads repro"] == "yes", row
+
+
+def test_bench_bridge_per_expert_tiny():
+    if sys.version_info < (3, 12) or importlib.util.find_spec("megatron.bridge") is None:
+        pytest.skip("Megatron-Bridge's PEFT needs Python 3.12 and megatron-bridge")
+    stdout = run_benchmark("bench_bridge_per_expert.py", "--tiny")
+    header = ("| shape | routing | no adapters | grouped | Bridge's | adapters grouped | "
+              "adapters Bridge's | speed-up | host syncs (grouped / Bridge's) | "
+              "max rel L2 vs Bridge's |")
+    assert header in stdout
+    rows = [line.split("|")[1:-1] for line in stdout.splitlines()
+            if line.startswith("| tiny ")]
+    assert len(rows) == 2 * 2 and all(float(row[-1]) < 2e-2 for row in rows), rows
