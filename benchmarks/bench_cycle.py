@@ -9,8 +9,11 @@ Transformer Engine importable (and CUDA) the whole model comes from Megatron's T
 from its local spec, where the SequentialMLP arm runs and the TE arms are reported as not
 available.
 
-All arms of a slice are built first, then run interleaved (A, B, C, A, B, C, ...) for --warmup +
---cycles rounds, so that drift hits every arm alike; the table gives the median and the range. Peak
+The arms of a slice run interleaved (A, B, C, A, B, C, ...) for --warmup + --cycles rounds, so that
+drift hits every arm alike; the table gives the median and the range. One arm's model is on the
+device at a time: each turn builds its model afresh (the same frozen base from the same seed) and
+restores the arm's adapters, optimizer state and last logprobs, kept on the host between turns
+(`ParkedArm`), so a slice needs the memory of its largest arm, not of all of them. Peak
 memory per phase is the arm's own: its resident tensors (weights, adapters, optimizer state) plus
 the phase's peak above what was allocated when the phase began. With --profile (default on), one
 update pass per arm broken down by component (cycle_profile.py). Writes (cycle_report.py)
@@ -143,6 +146,48 @@ class Cycle:
         return sum(storages.values())
 
 
+def _to_host(value):
+    """A copy of `value` (nested dicts, lists, tuples) with every tensor copied to the host."""
+    if torch.is_tensor(value):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_host(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_host(v) for v in value)
+    return value
+
+
+class ParkedArm:
+    """One arm whose model exists only during its turns: `open()` builds it (`build() -> Cycle`)
+    and restores what the last `close()` kept on the host (trainable tensors, optimizer state,
+    last logprobs); `close()` keeps those and drops the model."""
+
+    def __init__(self, build):
+        self.build, self.cycle, self.kept, self.resident = build, None, None, None
+
+    def open(self) -> Cycle:
+        self.cycle = self.build()
+        if self.kept is not None:
+            params, optimizer, old_logprobs = self.kept
+            with torch.no_grad():
+                for p, kept in zip(self.cycle.params, params, strict=True):
+                    p.copy_(kept)
+            self.cycle.optimizer.load_state_dict(optimizer)
+            self.cycle.old_logprobs = (None if old_logprobs is None else
+                                       [lp.to(self.cycle.device) for lp in old_logprobs])
+        return self.cycle
+
+    def close(self) -> None:
+        """Keep the arm's state on the host and free its model (the caching allocator keeps
+        the memory for the next arm)."""
+        cycle, self.cycle = self.cycle, None
+        if cycle is not None:
+            self.kept = (_to_host(cycle.params), _to_host(cycle.optimizer.state_dict()),
+                         _to_host(cycle.old_logprobs))
+            del cycle
+            gc.collect()
+
+
 def reduce_adapter_grads(params) -> None:
     """Average adapter gradients over data-parallel ranks (expert adapters over the expert
     data-parallel group), as DDP would; nothing on one process."""
@@ -180,18 +225,20 @@ def agreed(note):
     return next((n for n in gather_ranks(note) if n), None)
 
 
-def run_interleaved(cycles: dict, args, device, log):
+def run_interleaved(arms: dict, args, device, log):
     """({variant: {phase: [ms], "resident": bytes, "peak": {phase: bytes}}} over the measured
     rounds and every rank (`over_ranks`), {variant: note} of those that failed); every round
-    runs each variant's cycle once, in turn; a variant that fails leaves the rounds, the others
-    go on. Peaks: the arm's resident tensors plus the phase's largest extra (None on the CPU)."""
-    runs = {v: {"logprob": [], "update": [], "extra": dict.fromkeys(PHASES, 0)} for v in cycles}
+    runs each variant's cycle once, in turn, its model built for the turn (`ParkedArm`); a
+    variant that fails leaves the rounds, the others go on. Peaks: the arm's resident tensors
+    plus the phase's largest extra (None on the CPU)."""
+    runs = {v: {"logprob": [], "update": [], "extra": dict.fromkeys(PHASES, 0)} for v in arms}
     failed = {}
     rounds = args.warmup + args.cycles
     for i in range(rounds):
-        for variant, cycle in list(cycles.items()):
+        for variant, arm in list(arms.items()):
             this, note = {}, None
             try:
+                cycle = arm.open()
                 for phase in PHASES:
                     this[phase], extra = timed_phase(cycle, phase, device)
                     if i >= args.warmup:
@@ -199,18 +246,23 @@ def run_interleaved(cycles: dict, args, device, log):
                         if extra is not None:
                             runs[variant]["extra"][phase] = max(runs[variant]["extra"][phase],
                                                                 extra)
+                if device.type == "cuda":
+                    arm.resident = cycle.resident_bytes()
             except Exception as exc:  # noqa: BLE001 - reported in the table
                 note = error_note(exc)
+            finally:
+                cycle = None
+                arm.close()
             note = agreed(note)
             if note:
                 failed[variant] = note
-                del cycles[variant], runs[variant]
+                del arms[variant], runs[variant]
                 continue
             warm = " (warm-up)" if i < args.warmup else ""
             log(f"round {i + 1}/{rounds}{warm} {variant[0]} ({variant[1]}): "
                 f"logprob {this['logprob']:.1f} ms, update {this['update']:.1f} ms")
     for variant, run in runs.items():
-        resident = cycles[variant].resident_bytes() if device.type == "cuda" else None
+        resident = arms[variant].resident if device.type == "cuda" else None
         run["resident"] = resident
         run["peak"] = (None if resident is None else
                        {phase: resident + run["extra"][phase] for phase in PHASES})
@@ -251,8 +303,9 @@ def variant_row(variant, run: dict, tokens: int) -> dict:
 
 
 def run_slice(key: str, layers: int, stack: str, arms, layouts, args, device, log) -> dict:
-    """One slice: every (arm, expert-adapter layout) built, first logprobs compared with the
-    first variant's, measured interleaved, profiled; models freed at the end. Under torchrun
+    """One slice: every (arm, expert-adapter layout) built in turn (first logprobs compared with
+    the first variant's), measured interleaved, profiled, one model on the device at a time
+    (`ParkedArm`). Under torchrun
     every rank runs it; the figures are over all ranks (`over_ranks`), the profile rank 0's."""
     model = SLICES[key]
     config = cm.make_config(model, layers, stack, args, device)
@@ -264,27 +317,37 @@ def run_slice(key: str, layers: int, stack: str, arms, layouts, args, device, lo
               "header": cm.describe(model, layers, stack, args) + [
                   f"{args.cycles} measured rounds" + ("" if args.profile else "; not profiled")],
               "rows": []}
-    cycles, notes, first, reference = {}, {}, {}, None
+    parked, notes, first, reference = {}, {}, {}, None
+
+    def builder(arm, layout):
+        def build():
+            with cm.arm_environment(arm):
+                built = cm.build_arm(arm, model, layers, config, stack, args, device, layout)
+            return Cycle(arm, built, batches, stack, args, device)
+        return build
+
     for layout in layouts:
         for arm in arms:
             variant = (arm, layout)
             why = cm.arm_unavailable(arm, stack, device)
             started, note = time.perf_counter(), None
+            parked[variant] = ParkedArm(builder(arm, layout))
             try:
                 if why:
                     raise cm.NotAvailable(why)
-                with cm.arm_environment(arm):
-                    built = cm.build_arm(arm, model, layers, config, stack, args, device, layout)
-                cycles[variant] = Cycle(arm, built, batches, stack, args, device)
-                with cycles[variant].environment():
-                    first[variant] = [lp.float().cpu() for lp in cycles[variant].logprob_pass()]
+                cycle = parked[variant].open()
+                with cycle.environment():
+                    first[variant] = [lp.float().cpu() for lp in cycle.logprob_pass()]
             except cm.NotAvailable as exc:
                 note = str(exc)
             except Exception as exc:  # noqa: BLE001 - reported in the table, traceback on stderr
                 note = error_note(exc)
+            finally:
+                cycle = None
+                parked[variant].close()
             note = agreed(note)
             if note:
-                cycles.pop(variant, None)
+                parked.pop(variant, None)
                 notes[variant] = note
                 if note.startswith("error"):
                     log(f"{key}:{layers} {arm} ({layout}): {note}")
@@ -292,7 +355,7 @@ def run_slice(key: str, layers: int, stack: str, arms, layouts, args, device, lo
             reference = reference or variant
             log(f"{key}:{layers} {arm} ({layout}): built in "
                 f"{time.perf_counter() - started:.1f} s")
-    runs, failed = run_interleaved(cycles, args, device, log)
+    runs, failed = run_interleaved(parked, args, device, log)
     notes.update(failed)
     for layout in layouts:
         for arm in arms:
@@ -310,13 +373,15 @@ def run_slice(key: str, layers: int, stack: str, arms, layouts, args, device, lo
                 row["logprob_diff_vs"] = f"{cm.ARMS[reference[0]]} ({reference[1]})"
             if args.profile:
                 try:
-                    row["profile"] = cp.profile_update(cycles[variant],
+                    row["profile"] = cp.profile_update(parked[variant].open(),
                                                        row["update_ms"]["median"], device)
                 except Exception as exc:  # noqa: BLE001 - reported under the table
                     row["profile_note"] = error_note(exc)
+                finally:
+                    parked[variant].close()
                 log(f"{key}:{layers} {arm} ({layout}): profiled")
             result["rows"].append(row)
-    cycles.clear()
+    parked.clear()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -245,3 +245,47 @@ def test_bench_bridge_per_expert_tiny():
     rows = [line.split("|")[1:-1] for line in stdout.splitlines()
             if line.startswith("| tiny ")]
     assert len(rows) == 2 * 2 and all(float(row[-1]) < 2e-2 for row in rows), rows
+
+
+def test_a_parked_arm_trains_on_as_if_it_had_stayed_built():
+    """bench_cycle's ParkedArm: two update steps with the model dropped and rebuilt between them
+    give bitwise the adapters, optimizer state and logprobs of two steps on one model; the
+    dropped model is freed."""
+    import types
+    import weakref
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_cycle
+
+    x = torch.randn(8, 6)
+
+    def build():
+        torch.manual_seed(0)  # the same frozen base every build, as build_base seeds it
+        model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 3))
+        model[0].requires_grad_(False)
+        params = [p for p in model.parameters() if p.requires_grad]
+        return types.SimpleNamespace(model=model, params=params, device=torch.device("cpu"),
+                                     optimizer=torch.optim.AdamW(params, lr=0.1),
+                                     old_logprobs=None)
+
+    def step(cycle):
+        cycle.old_logprobs = [cycle.model(x).detach()]
+        cycle.model(x).square().mean().backward()
+        cycle.optimizer.step()
+        cycle.optimizer.zero_grad(set_to_none=True)
+
+    held = build()
+    step(held), step(held)
+    arm = bench_cycle.ParkedArm(build)
+    step(arm.open())
+    first = weakref.ref(arm.cycle.model)
+    arm.close()
+    assert arm.cycle is None and first() is None
+    parked = arm.open()
+    step(parked)
+    assert all(torch.equal(a, b) for a, b in zip(parked.params, held.params, strict=True))
+    assert torch.equal(parked.old_logprobs[0], held.old_logprobs[0])
+    state, held_state = parked.optimizer.state_dict(), held.optimizer.state_dict()
+    assert state["state"].keys() == held_state["state"].keys() and all(
+        torch.equal(torch.as_tensor(v), torch.as_tensor(held_state["state"][i][k]))
+        for i, s in state["state"].items() for k, v in s.items())
