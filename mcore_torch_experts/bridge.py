@@ -11,10 +11,12 @@ it, and wraps two more entry points, both unchanged for every other module type:
 - `PEFT.__call__` of LoRA, CanonicalLoRA and DoRA: every module the PEFT would wrap is checked
   first (`check_bridge_peft`), so a module Bridge cannot wrap is an error before any parameter
   is frozen or any module replaced;
-- `AdapterWrapper.adapter_forward`: a `GroupedExpertLinearAdapter` on a TorchGroupedLinear runs
-  `grouped_expert_adapter_forward` (one grouped GEMM per projection, no host read of the splits)
-  unless `grouped_adapter_obstacle` names a setting it cannot honour, in which case Bridge's own
-  forward runs and the reason is logged once.
+- `AdapterWrapper.adapter_forward` and `GroupedExpertLinearAdapter.forward`: a per-expert
+  adapter on a TorchGroupedLinear is called as before (its module hooks run) but computes
+  `grouped_expert_adapter_forward` (one grouped GEMM per projection, no host read of the
+  splits), unless `grouped_adapter_obstacle` names a setting it cannot honour: then Bridge's
+  own forward runs and the reason is logged once. Called without a TorchGroupedLinear base,
+  the adapter runs Bridge's forward.
 
 Importing this module (the package does) adds `register_if_bridge_loaded` to
 `experts.ON_BUILD`, so experts built in a process that imported Bridge's PEFT register at once.
@@ -64,9 +66,11 @@ def register_with_megatron_bridge() -> bool:
                                                                      utils)
     if not hasattr(base.PEFT.__call__, _ORIGINAL):
         base.PEFT.__call__ = _checked_first(base.PEFT.__call__)
-    wrapper = adapter_wrapper.AdapterWrapper
+    wrapper, per_expert = adapter_wrapper.AdapterWrapper, utils.GroupedExpertLinearAdapter
     if not hasattr(wrapper.adapter_forward, _ORIGINAL):
         wrapper.adapter_forward = _grouped_expert_adapters(wrapper.adapter_forward, utils)
+    if not hasattr(per_expert.forward, _ORIGINAL):
+        per_expert.forward = _grouped_on_torch_experts(per_expert.forward)
     return True
 
 
@@ -133,6 +137,7 @@ def _checked_first(original):
 
 
 _LOGGED_OBSTACLES = set()
+_BASE = "_torch_grouped_base"  # the keyword that hands the adapter its TorchGroupedLinear
 
 
 def _grouped_expert_adapters(original, utils):
@@ -142,10 +147,9 @@ def _grouped_expert_adapters(original, utils):
         if (isinstance(base, TorchGroupedLinear)
                 and isinstance(adapter, utils.GroupedExpertLinearAdapter)
                 and type(adapter).forward is utils.GroupedExpertLinearAdapter.forward):
-            splits = _splits(args, kwargs)
-            obstacle = grouped_adapter_obstacle(adapter, base, x, splits)
+            obstacle = grouped_adapter_obstacle(adapter, base, x, _splits(args, kwargs))
             if obstacle is None:
-                return grouped_expert_adapter_forward(adapter, base, x, splits)
+                return adapter(x, *args, **kwargs, **{_BASE: base})
             if obstacle not in _LOGGED_OBSTACLES:
                 _LOGGED_OBSTACLES.add(obstacle)
                 experts.logger.warning(
@@ -156,6 +160,18 @@ def _grouped_expert_adapters(original, utils):
 
     setattr(adapter_forward, _ORIGINAL, original)
     return adapter_forward
+
+
+def _grouped_on_torch_experts(original):
+    @functools.wraps(original)
+    def forward(self, x, *args, **kwargs):
+        base = kwargs.pop(_BASE, None)
+        if base is None:
+            return getattr(forward, _ORIGINAL)(self, x, *args, **kwargs)
+        return grouped_expert_adapter_forward(self, base, x, _splits(args, kwargs))
+
+    setattr(forward, _ORIGINAL, original)
+    return forward
 
 
 def _splits(args, kwargs) -> Optional[Splits]:

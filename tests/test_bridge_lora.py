@@ -56,8 +56,8 @@ def bridge_per_expert_forward(bridge, monkeypatch):
     """Bridge's own GroupedExpertLinearAdapter.forward raises in every test of this module: its
     per-expert adapters on TorchGroupedLinear must take the grouped path. A test that needs
     Bridge's forward calls `allow()` (it then counts the calls in `calls`)."""
-    cls = bridge["utils"].GroupedExpertLinearAdapter
-    original, calls = cls.forward, []
+    forward = bridge["utils"].GroupedExpertLinearAdapter.forward  # ours, around Bridge's
+    original, calls = getattr(forward, _ORIGINAL), []
 
     def refused(self, *args, **kwargs):
         raise AssertionError("Bridge's GroupedExpertLinearAdapter.forward ran on TorchGroupedLinear")
@@ -66,9 +66,9 @@ def bridge_per_expert_forward(bridge, monkeypatch):
         calls.append(self)
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(cls, "forward", refused)
+    monkeypatch.setattr(forward, _ORIGINAL, refused)
     return type("BridgeForward", (), dict(calls=calls, allow=staticmethod(
-        lambda: monkeypatch.setattr(cls, "forward", counted))))
+        lambda: monkeypatch.setattr(forward, _ORIGINAL, counted))))
 
 
 def randomize_adapters(model, seed=1):
@@ -562,9 +562,12 @@ def test_per_expert_adapters_run_grouped_bitwise_run_to_run_and_as_bridge_s_path
                         lambda *a: grouped_calls.append(a[1].name) or forward(*a))
     experts = per_expert_experts(make_config(dtype=torch.float32, hidden=64, ffn=64),
                                  megatron_cpu, "cpu")
+    hooked = []  # the adapter module is still called: its hooks (DDP's, a profiler's) run
+    for linear in (experts.linear_fc1, experts.linear_fc2):
+        linear.adapter.register_forward_pre_hook(lambda m, args: hooked.append(len(args)))
     splits = SPLITS[splits_name]
     first, second = (run_experts(experts, splits, torch.float32, "cpu") for _ in range(2))
-    assert grouped_calls == ["linear_fc1", "linear_fc2"] * 2
+    assert grouped_calls == ["linear_fc1", "linear_fc2"] * 2 and hooked == [2] * 4
     assert len(first) == 2 + 4 and all(torch.equal(a, b) for a, b in zip(first, second))
     bridge_s = with_bridge_forward(experts, bridge_per_expert_forward,
                                    lambda: run_experts(experts, splits, torch.float32, "cpu"))
