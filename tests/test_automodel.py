@@ -1,8 +1,10 @@
-"""install_fp32_combine on NeMo Automodel's GroupedExperts (nemo-automodel 0.7.0, torch_mm experts):
-fp32_combine runs inside with the options given, the shipped module's outputs and gradients bit
-for bit on the CPU (FP32 and BF16, frozen and trainable experts), the FP64 reference's to FP32
-rounding, no full-size FP32 temporary in forward or backward (peak RSS), scoped to the modules
-given and undoable, and the refusals."""
+"""install_fp32_combine on NeMo Automodel's GroupedExperts and its expert LoRA GroupedExpertsLoRA
+(nemo-automodel 0.7.0, or 0.4.0 put first on PYTHONPATH; torch_mm experts): fp32_combine runs
+inside with the options given, the shipped module's outputs and gradients bit for bit on the CPU
+(FP32 and BF16, frozen and trainable experts), the FP64 reference's to FP32 rounding, no full-size
+FP32 temporary in forward or backward (peak RSS), in use whether Automodel's PEFT comes before or
+after, through Automodel's Qwen3-MoE builder and two optimizer steps, scoped to the modules given
+and undoable, and the refusals."""
 
 import copy
 import io
@@ -25,6 +27,8 @@ BackendConfig = pytest.importorskip(
     reason="nemo_automodel's BackendConfig does not import (it needs transformers)").BackendConfig
 
 import nemo_automodel  # noqa: E402
+from nemo_automodel.components._peft.lora import PeftConfig, apply_lora_to_linear_modules  # noqa: E402
+from nemo_automodel.components._peft.lora_experts import GroupedExpertsLoRA  # noqa: E402
 from nemo_automodel.components.moe.config import MoEConfig  # noqa: E402
 from nemo_automodel.components.moe.experts import GroupedExperts, GroupedExpertsDeepEP  # noqa: E402
 from nemo_automodel.components.moe.layers import MoE  # noqa: E402
@@ -404,7 +408,11 @@ REFUSED = {
 }
 
 
-@pytest.mark.parametrize("case", list(REFUSED))
+@pytest.mark.parametrize("case", [
+    pytest.param(case, marks=pytest.mark.skipif(
+        case == "weight-after-down" and not automodel._HAS_MXFP8,
+        reason="nemo-automodel 0.4.0 has no apply_router_weight_after_down"))
+    for case in REFUSED])
 def test_refusal_names_the_field_and_leaves_every_module_unchanged(case):
     build, message = REFUSED[case]
     supported = grouped_experts()
@@ -433,3 +441,222 @@ def test_bad_options_are_refused_before_any_change(options, message):
     with pytest.raises(ValueError, match=message):
         install_fp32_combine(module, **options)
     assert "_forward_grouped_mm" not in vars(module)
+
+
+# --- Automodel's expert LoRA (GroupedExpertsLoRA), PEFT before or after --------------------------
+
+LORA_RANK, LORA_ALPHA = 8, 16  # rank 8: 16-byte grouped-GEMM strides in BF16 (0.4.0 does not pad)
+PEFT = PeftConfig(target_modules=["*experts"], dim=LORA_RANK, alpha=LORA_ALPHA)
+
+
+def lora_experts(dtype=torch.float32, **overrides) -> GroupedExpertsLoRA:
+    """Automodel's GroupedExpertsLoRA over a GroupedExperts, every weight (LoRA B too) random."""
+    base = grouped_experts(dtype, **overrides)
+    return fill(GroupedExpertsLoRA(base, lora_dim=LORA_RANK, alpha=LORA_ALPHA), seed=2)
+
+
+def fp64_lora_reference(module, batch):
+    """y [T, H] and the gradients of x, weights and every parameter, in float64: each token's
+    sum over its top-k experts of swiglu(x (W1_e + s A1_e B1_e)) * p (W2_e + s A2_e B2_e)."""
+    x, token_mask, weights, indices, grad_y = batch
+    params = {name: p.detach().double().requires_grad_() for name, p in module.named_parameters()}
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, weights))
+    tokens, slots = torch.where(token_mask.unsqueeze(1).expand_as(indices))
+    expert, probs = indices[tokens, slots], w64[tokens, slots].unsqueeze(1)
+
+    def project(rows, base, lora_a, lora_b):
+        low = torch.einsum("nh,nhr->nr", rows, params[lora_a][expert])
+        return (torch.einsum("nh,nhf->nf", rows, params[base][expert])
+                + module.scale * torch.einsum("nr,nrf->nf", low, params[lora_b][expert]))
+
+    gate, up = project(x64[tokens], "gate_and_up_projs", "lora_gate_and_up_A",
+                       "lora_gate_and_up_B").chunk(2, dim=1)
+    rows = project(F.silu(gate) * up * probs, "down_projs", "lora_down_A", "lora_down_B")
+    y = torch.zeros(x.shape, dtype=torch.float64).index_add(0, tokens, rows)
+    y.backward(grad_y.double())
+    return [y.detach(), x64.grad, w64.grad] + [p.grad for p in params.values()]
+
+
+@pytest.mark.parametrize("expert_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_lora_experts_same_outputs_and_gradients_as_shipped_bitwise(combine_calls, dtype,
+                                                                   expert_bias):
+    module = lora_experts(dtype, expert_bias=expert_bias)
+    batch = routed_batch(dtype)
+    shipped = forward_backward(module, batch)
+    assert install_fp32_combine(module, chunk_rows=5, backend="torch") == [""]
+    combined = forward_backward(module, batch)
+    assert combine_calls == [dict(chunk_rows=5, backend="torch")]
+    assert_bitwise(shipped, combined)
+
+
+def test_lora_experts_match_fp64_reference_to_fp32_rounding(combine_calls):
+    module = lora_experts()
+    batch = routed_batch()
+    install_fp32_combine(module, chunk_rows=5, backend="torch")
+    combined = forward_backward(module, batch)
+    assert combine_calls == [dict(chunk_rows=5, backend="torch")]
+    reference = fp64_lora_reference(module, batch)
+    assert len(combined) == len(reference) == 3 + 6  # y, x, weights; W1, W2 and four LoRA
+    for actual, expected in zip(combined, reference):
+        assert expected.abs().max() > 0  # LoRA B random: every gradient is exercised
+        assert (actual.double() - expected).abs().max() <= FP32_TOL * expected.abs().max()
+    assert torch.equal(combined[0][PADDING_TOKEN], torch.zeros(HIDDEN))
+
+
+def test_lora_experts_no_routed_rows_run_the_shipped_dummy_graph(combine_calls):
+    module = lora_experts()
+    x, token_mask, weights, indices, grad_y = routed_batch()
+    batch = (x, torch.zeros_like(token_mask), weights, indices, grad_y)
+    shipped = forward_backward(module, batch)
+    install_fp32_combine(module, backend="torch")
+    assert_bitwise(shipped, forward_backward(module, batch))
+    assert combine_calls == []
+
+
+def moe_model(seed=0) -> torch.nn.Module:
+    """An MoE layer where a model holds it (Automodel's PEFT replaces children by name)."""
+    return torch.nn.ModuleDict({"moe": fill(MoE(moe_config(), backend()), seed)})
+
+
+def apply_peft(model: torch.nn.Module) -> None:
+    """Automodel's PEFT (experts only), then its LoRA B random (as after some training)."""
+    assert apply_lora_to_linear_modules(model, PEFT) == 1
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * param.shape[1] ** -0.5)
+
+
+def layer_step(model):
+    """The layer's output and the gradients of its input and of every trainable parameter."""
+    x = routed_batch()[0].requires_grad_()
+    model.zero_grad(set_to_none=True)
+    y = model["moe"](x)
+    y.square().sum().backward()
+    return [y.detach(), x.grad] + [p.grad for p in model.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("order", ["install-then-peft", "peft-then-install"])
+def test_either_order_with_automodel_peft_ends_with_the_combine(combine_calls, order):
+    """Installed before PEFT, the GroupedExpertsLoRA that PEFT puts in its place gets the same
+    combine on the layer's next forward (before: the shipped scatter-add ran unannounced);
+    installed after, it takes GroupedExpertsLoRA (before: refused). Both give the shipped
+    LoRA module's outputs and gradients bit for bit."""
+    shipped = moe_model()
+    apply_peft(shipped)
+    model = moe_model()
+    if order == "install-then-peft":
+        assert install_fp32_combine(model, chunk_rows=5, backend="torch") == ["moe.experts"]
+    apply_peft(model)
+    if order == "peft-then-install":
+        assert install_fp32_combine(model, chunk_rows=5, backend="torch") == ["moe.experts"]
+    assert type(model["moe"].experts) is GroupedExpertsLoRA
+    expected = layer_step(shipped)
+    assert len(expected) == 2 + 4  # y, x and the four LoRA matrices
+    assert_bitwise(expected, layer_step(model))
+    assert combine_calls == [dict(chunk_rows=5, backend="torch")]
+    assert automodel._installed(model["moe"].experts)
+    assert remove_combine(model) == ["moe.experts"]
+    assert_bitwise(expected, layer_step(model))
+    assert len(combine_calls) == 1  # removed: neither the module nor its replacement hook left
+
+
+class _OwnLoRAForward(GroupedExpertsLoRA):
+    def forward(self, x, token_mask, weights, indices):
+        return super().forward(x, token_mask, weights, indices)
+
+
+@pytest.mark.parametrize("replacement, message", [
+    (lambda old: torch.nn.Identity(), r"experts \(Identity\): replaced the GroupedExperts that "
+                                      r"install_fp32_combine was given.*remove_combine"),
+    (lambda old: _OwnLoRAForward(old), r"_OwnLoRAForward overrides GroupedExpertsLoRA.forward"),
+], ids=["not-experts", "lora-subclass"])
+def test_a_replacement_the_combine_cannot_take_is_refused_at_the_next_forward(replacement,
+                                                                             message):
+    model = moe_model()
+    install_fp32_combine(model, backend="torch")
+    model["moe"].experts = replacement(model["moe"].experts)
+    with pytest.raises(AutomodelCombineError, match=message):
+        model["moe"](routed_batch()[0])
+
+
+# --- Automodel's own model builder and optimizer steps ---------------------------------------------
+
+VOCAB, SEQ = 96, 12
+
+
+@pytest.fixture
+def qwen3_moe(monkeypatch):
+    """Build Automodel's Qwen3-MoE (2 layers of 4 experts, top-2, torch_mm experts) with its own
+    builder and its own PEFT (experts and q_proj), BF16 as trained. Its builder asks
+    torch.cuda.current_device() for the rotary embedding's device, which initialize_weights(cpu)
+    then sets; on a CPU-only host that call needs this stand-in."""
+    qwen3 = pytest.importorskip("nemo_automodel.components.models.qwen3_moe.model",
+                                reason="Automodel's Qwen3-MoE does not import here")
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                            moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=8, num_experts=4,
+                            num_experts_per_tok=2, max_position_embeddings=64, dtype="bfloat16")
+    backend_config = BackendConfig(linear="torch", attn="sdpa", rms_norm="torch",
+                                   experts="torch_mm", dispatcher="torch",
+                                   enable_hf_state_dict_adapter=False)
+
+    def build(seed=0):
+        torch.manual_seed(seed)
+        model = qwen3.Qwen3MoeForCausalLM.from_config(config, backend=backend_config)
+        model.initialize_weights(torch.device("cpu"), dtype=torch.bfloat16)
+        apply_lora_to_linear_modules(model, PeftConfig(target_modules=["*experts", "*q_proj"],
+                                                       dim=LORA_RANK, alpha=LORA_ALPHA))
+        return model
+    return build
+
+
+def train_steps(model, steps=2):
+    """Losses, trainable gradients per step and the parameters after `steps` AdamW steps of
+    next-token cross-entropy on one fixed random batch."""
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    optimizer = torch.optim.AdamW(trainable.values(), lr=1e-2)
+    losses, grads = [], []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        output = model(ids)
+        logits = getattr(output, "logits", output)  # 0.4.0's Qwen3-MoE returns the logits
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in trainable.items()})
+        optimizer.step()
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_automodel_qwen3_moe_trains_the_same_with_the_combine(combine_calls, qwen3_moe):
+    """Two optimizer steps of Automodel's Qwen3-MoE with its LoRA, the combine installed with the
+    documented snippet against the same model without it: losses, every LoRA gradient and the
+    updated parameters bit for bit (on the CPU both sum each token's rows in row order)."""
+    shipped, model = qwen3_moe(), qwen3_moe()
+    namespace = run_snippet("after-build", doc=DOCS / "automodel.md", model_parts=[model])
+    assert namespace["names"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert all(type(m) is GroupedExpertsLoRA for m in (model.get_submodule(n)
+                                                      for n in namespace["names"]))
+    expected, actual = train_steps(shipped), train_steps(model)
+    assert len(combine_calls) == 2 * 2  # both layers, both steps
+    assert combine_calls[0] == dict(chunk_rows=None, backend=None)
+    assert all(torch.equal(a, b) for a, b in zip(expected[0], actual[0])), (expected[0], actual[0])
+    for step_expected, step_actual in zip(expected[1], actual[1]):
+        assert step_expected.keys() == step_actual.keys()
+        assert any("lora_gate_and_up_A" in n for n in step_expected)
+        for name, grad in step_expected.items():
+            assert torch.equal(step_actual[name], grad), name
+    # Step 2: LoRA B is no longer zero, so the experts' LoRA A gradients are exercised too.
+    assert expected[1][1]["model.layers.0.mlp.experts.lora_down_A"].abs().max() > 0
+    assert expected[0][1] < expected[0][0]  # it trains
+    for name, param in expected[2].items():
+        assert torch.equal(actual[2][name], param), name
