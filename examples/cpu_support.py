@@ -97,53 +97,6 @@ def megatron_patches(on_cpu: bool, *, host_streams: bool = False,
     return patches
 
 
-def nemo_rl_patches() -> list:
-    """[Patch]: what NeMo-RL's Megatron policy worker (`MegatronPolicyWorkerImpl.__init__`,
-    `get_logprobs`, `train`), called in one process without Ray, needs on a CPU-only host, with
-    `megatron_patches(on_cpu=True, host_streams=True)` and `megatron_lm_patches()` (included);
-    tensors it asks for on CUDA come from `CudaTensorsOnTheCpu`. Nothing here touches this
-    package or changes what a model computes."""
-    import ray
-    from megatron.bridge.models.model_provider import ModelProviderMixin
-
-    init_process_group = torch.distributed.init_process_group
-    provide = ModelProviderMixin.provide_distributed_model
-    device_of = None
-
-    def gloo(backend=None, *args, **kwargs):
-        return init_process_group("gloo", *args, **kwargs)
-
-    def local_modules(provider, *args, **kwargs):
-        provider.transformer_impl = "local"
-        provider.gradient_accumulation_fusion = False
-        provider.masked_softmax_fusion = False
-        provider.moe_permute_fusion = False
-        provider.moe_token_dispatcher_type = "allgather"
-        return provide(provider, *args, **kwargs)
-
-    patches = megatron_patches(True, host_streams=True) + megatron_lm_patches()
-    device_of = next(p.value for p in patches if p.name == "current_device")
-
-    def current_device():
-        caller = sys._getframe(1).f_globals.get("__name__", "")
-        return 0 if caller.startswith("nemo_rl.") else device_of()
-
-    return patches + [
-        Patch(ray, "get_gpu_ids", lambda: [0],
-              "the worker asks Ray for its GPU index; one process, no Ray actor: GPU 0"),
-        Patch(torch.distributed, "init_process_group", gloo,
-              "setup_distributed asks for NCCL; a CPU-only host has gloo"),
-        Patch(torch.cuda, "current_device", current_device,
-              "the worker asserts that its CUDA device is the one Ray gave it (0); Megatron's "
-              "modules are still answered 'cpu' (megatron_patches)"),
-        Patch(ModelProviderMixin, "provide_distributed_model", local_modules,
-              "the HF import (import_model_from_hf_name) builds the provider's default "
-              "Transformer Engine modules and fused kernels, absent on a CPU host (the policy "
-              "build takes policy.megatron_cfg.transformer_impl: 'local'); the dispatcher as "
-              "policy.megatron_cfg sets it"),
-    ]
-
-
 class HostStream:
     """What Megatron asks of a CUDA stream or event on one host process: nothing to wait for."""
 
