@@ -1,4 +1,4 @@
-"""Every difference between the supported Megatron-Core releases (0.16.x to 0.19.x), and nothing
+"""Every difference between the supported Megatron-Core releases (0.16.x to 0.20.x), and nothing
 else: each section names the releases its shims serve."""
 
 import dataclasses
@@ -161,10 +161,39 @@ def shared_experts_fc2_in_combine_postprocess() -> bool:
     return megatron_core_release() < (0, 18)
 
 
+# --- NCCL-EP's static shape ----------------------------------------------------------------------
+# 0.19: the flag moe_ncclep_static_shape hands the experts the whole fixed receive buffer (rows past
+# sum(tokens_per_expert) included); without it the dispatcher narrows to the received rows.
+# 0.20: the flag is gone; a set moe_expert_rank_capacity_factor selects the static shape, and None
+# the eager mode (TE sizes each step's receive buffer to the received rows).
+
+
+def ncclep_static_shape(settings) -> tuple:
+    """(field, value) of the setting that puts NCCL-EP in its static shape, if `settings` (config
+    fields by name) select it, else None."""
+    if "moe_ncclep_static_shape" in _transformer_config_fields():
+        return ("moe_ncclep_static_shape", True) if settings.get("moe_ncclep_static_shape") else None
+    factor = settings.get("moe_expert_rank_capacity_factor")
+    return None if factor is None else ("moe_expert_rank_capacity_factor", factor)
+
+
+def ncclep_dynamic_shape_setting() -> str:
+    """The setting that keeps NCCL-EP off its static shape, as a user writes it."""
+    if "moe_ncclep_static_shape" in _transformer_config_fields():
+        return "moe_ncclep_static_shape=False"
+    return "moe_expert_rank_capacity_factor=None"
+
+
+def _transformer_config_fields():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig.__dataclass_fields__
+
+
 # --- Converting built experts modules ------------------------------------------------------------
 # SequentialMLP and TEGroupedMLP keep their groups as ep_group / tp_group (expert TP); SequentialMLP
 # also keeps dp_group (expert DP), TEGroupedMLP does not, but hands its pg_collection to its TE
-# grouped linears, which keep it as `_pg_collection` (0.16 to 0.19). The legacy GroupedMLP (0.16
+# grouped linears, which keep it as `_pg_collection` (0.16 to 0.20). The legacy GroupedMLP (0.16
 # only) is not converted: moe_use_legacy_grouped_gemm is refused.
 
 

@@ -8,6 +8,8 @@ from typing import Mapping, Optional
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from . import _compat
+
 BACKENDS = ("transformer_engine", "torch")
 EXPERT_KERNELS = ("auto", "fused_gemm", "grouped_mm")  # moe_expert_kernel
 MAX_LOCAL_EXPERTS = 1023  # grouped GEMM's CUTLASS path takes fewer than 1024 groups
@@ -104,7 +106,7 @@ def refuse_spec_arguments(spec_kwargs: Mapping[str, object]) -> None:
 
 
 def _refuse_fixed_size_flex_dispatch(settings: Mapping[str, object]) -> None:
-    """Megatron-Core 0.19's flex dispatcher modes that hand the experts a fixed-size buffer, with
+    """Megatron-Core 0.19/0.20's flex dispatcher modes that hand the experts a fixed-size buffer, with
     rows past sum(tokens_per_expert), or NCCL-EP's symmetric-memory output buffers: Megatron feeds
     them to TE's op fuser only (docs/scale_out.md)."""
     backend = settings.get("moe_flex_dispatcher_backend")
@@ -115,16 +117,18 @@ def _refuse_fixed_size_flex_dispatch(settings: Mapping[str, object]) -> None:
                 "moe_expert_rank_capacity_factor=None (HybridEP then sizes each step's buffers).")
     if backend != "ncclep":
         return
+    dynamic = _compat.ncclep_dynamic_shape_setting()
     if settings.get("moe_ncclep_zero_copy"):
         _refuse("moe_ncclep_zero_copy", True,
                 "NCCL-EP zero copy has the experts write into its symmetric-memory buffers "
                 "(output_buffer, grad_input_buffer), which only TE's op fuser fills; set "
-                "moe_ncclep_zero_copy=False and moe_ncclep_static_shape=False.")
-    if settings.get("moe_ncclep_static_shape"):
-        _refuse("moe_ncclep_static_shape", True,
-                "the static shape hands the experts the whole receive buffer, rows past "
-                "sum(tokens_per_expert) included, which only TE's op fuser reads; set "
-                "moe_ncclep_static_shape=False (the dispatcher then narrows to the received rows).")
+                f"moe_ncclep_zero_copy=False and {dynamic}.")
+    static = _compat.ncclep_static_shape(settings)
+    if static is not None:
+        _refuse(*static,
+                "NCCL-EP's static shape hands the experts the whole receive buffer, rows past "
+                f"sum(tokens_per_expert) included, which only TE's op fuser reads; set {dynamic} "
+                "(the experts then get the received rows only).")
 
 
 def _refuse_te_activation_mismatch(config: TransformerConfig) -> None:

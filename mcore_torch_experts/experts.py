@@ -31,6 +31,7 @@ from megatron.core.transformer.utils import (
 )
 from megatron.core.utils import get_pg_rank, get_pg_size
 
+from . import _compat
 from .config import TorchExpertsConfigError, validate_torch_experts_config
 from .grouped_gemm import Splits, find_grouped_mm, frozen_grouped_linear, group_offsets
 from .kernel_choice import choose_expert_kernel, fused_activation_available, fused_gemm_obstacle
@@ -303,7 +304,7 @@ class TorchGroupedMLP(MegatronModule):
             raise TorchExpertsConfigError(
                 f"TorchGroupedMLP got {' and '.join(given)} (NCCL-EP zero copy): it allocates its "
                 "own outputs, and only TE's op fuser writes into the dispatcher's buffers; set "
-                "moe_ncclep_zero_copy=False and moe_ncclep_static_shape=False.")
+                f"moe_ncclep_zero_copy=False and {_compat.ncclep_dynamic_shape_setting()}.")
         hidden = permuted_local_hidden_states
         probs = permuted_probs.unsqueeze(-1)
         if self.config.moe_apply_probs_on_input:

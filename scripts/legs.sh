@@ -7,14 +7,26 @@
 #   0.18.2   3.12    .venv312   .venv312/legs/mcore-0.18.2
 #   0.19.2   3.12    .venv312   .venv312/legs/mcore-0.19.2, with megatron-bridge 0.6.2 and
 #                                nemo-automodel 0.7.0
+#   0.20.0   3.12    .venv312   .venv312/legs/mcore-0.20.0, with megatron-bridge 0.7.0: the stack
+#                                NeMo-RL's main pins by commit (Megatron-LM 14346b65, Megatron-Bridge
+#                                8c46dc42), built from their source archives (STACK_DIR below)
 #
 # torch is 2.13.0 in both venvs. For Python 3.11 pip takes the CPU build from this machine's disk;
 # for Python 3.12 it is PyPI's CUDA build (about 5 GB, runs on the CPU), installed once and reused.
 # pip is never asked for a bare `torch`.
 
-LEGS_ALL="0.16.1 0.17.1 0.18.2 0.19.2"
+LEGS_ALL="0.16.1 0.17.1 0.18.2 0.19.2 0.20.0"
 TORCH_VERSION=2.13.0
 BRIDGE_VERSION=0.6.2
+# The 0.20.0 leg: megatron-core 0.20.0 and megatron-bridge 0.7.0 are not released as wheels; NeMo-RL
+# pins them by commit. Their `git archive`s (megatron-core-0.20.0-14346b65.tar.gz,
+# megatron-bridge-0.7.0-8c46dc42.tar.gz) are looked for in this folder and built with pip (the
+# same as `pip install "git+https://github.com/NVIDIA/Megatron-LM@14346b65"` and Bridge's
+# equivalent where there is network access). Where they are absent the leg is skipped with the
+# reason.
+STACK_DIR=${MCORE_TORCH_EXPERTS_STACK_DIR:-../shared/stacks/nemo-rl-main}
+MCORE_020_ARCHIVE=megatron-core-0.20.0-14346b65.tar.gz
+BRIDGE_070_ARCHIVE=megatron-bridge-0.7.0-8c46dc42.tar.gz
 # Megatron-Bridge is installed without its dependencies (they include CUDA-only packages); these
 # are the light ones its PEFT and conversion modules import, plus peft (and its accelerate) to run
 # Bridge's Hugging Face PEFT adapter exports (tests/test_hf_bridge_lora.py).
@@ -62,10 +74,24 @@ leg_pythonpath() {  # leg -> the folder holding its megatron-core, or nothing (0
   esac
 }
 
-setup_leg() {  # leg -> makes its environment; returns 2 when its interpreter is missing
-  local leg=$1 version venv python target
+leg_missing_archives() {  # leg -> the source archives it needs that are not there, or nothing
+  [ "$1" = 0.20.0 ] || return 0
+  local archive
+  for archive in "$MCORE_020_ARCHIVE" "$BRIDGE_070_ARCHIVE"; do
+    [ -f "$STACK_DIR/$archive" ] || echo "$STACK_DIR/$archive"
+  done
+}
+
+setup_leg() {  # leg -> makes its environment; returns 2 when its interpreter is missing, 3 when
+  # its source archives are
+  local leg=$1 version venv python target missing
   version=$(leg_python_version "$leg")
   venv=$(leg_venv "$leg")
+  missing=$(leg_missing_archives "$leg")
+  if [ -n "$missing" ]; then
+    echo "[setup $leg] source archives not found (set MCORE_TORCH_EXPERTS_STACK_DIR): $missing"
+    return 3
+  fi
   if [ ! -x "$venv/bin/python" ]; then
     python=$(find_python "$version")
     if [ -z "$python" ]; then
@@ -94,7 +120,18 @@ setup_leg() {  # leg -> makes its environment; returns 2 when its interpreter is
   target=$(leg_pythonpath "$leg")
   if [ ! -f "$target/.complete" ]; then
     rm -rf "$target"
-    if [ "$leg" = 0.19.2 ]; then
+    if [ "$leg" = 0.20.0 ]; then
+      echo "[setup $leg] building megatron-core 0.20.0 and megatron-bridge 0.7.0 from $STACK_DIR"
+      local wheels
+      wheels=$(mktemp -d)
+      "$venv/bin/python" -m pip wheel -q --no-deps -w "$wheels" "$STACK_DIR/$MCORE_020_ARCHIVE" \
+        "$STACK_DIR/$BRIDGE_070_ARCHIVE" || return 1
+      "$venv/bin/python" -m pip install -q --no-deps --target "$target" "$wheels"/*.whl || return 1
+      rm -rf "$wheels"
+      echo "[setup $leg] installing Megatron-Bridge's light dependencies into $venv"
+      # shellcheck disable=SC2086
+      "$venv/bin/python" -m pip install -q $BRIDGE_LIGHT_DEPS || return 1
+    elif [ "$leg" = 0.19.2 ]; then
       # One pip call: both put files under megatron/, and a second --target install would skip it.
       echo "[setup $leg] installing megatron-core==$leg and megatron-bridge==$BRIDGE_VERSION (no dependencies) into $target"
       "$venv/bin/python" -m pip install -q --no-deps --target "$target" "megatron-core==$leg" \

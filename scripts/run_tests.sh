@@ -20,6 +20,9 @@ for leg in $legs; do
   if [ $rc -eq 2 ] && [ "${CI:-}" != true ]; then
     summary+=("megatron-core $leg: SKIPPED (no Python $(leg_python_version "$leg") interpreter)")
     continue
+  elif [ $rc -eq 3 ]; then
+    summary+=("megatron-core $leg: SKIPPED (its source archives are not in $STACK_DIR)")
+    continue
   elif [ $rc -ne 0 ]; then
     summary+=("megatron-core $leg: FAILED to set up (exit $rc)")
     status=1

@@ -25,6 +25,14 @@ needs_0_19 = pytest.mark.skipif(
     _compat.megatron_core_release() < (0, 19),
     reason=f"the flex dispatcher's NCCL-EP backend and the 0.19 manager state arrived in "
            f"megatron-core 0.19 (installed {INSTALLED})")
+# NCCL-EP's modes. 0.19: the flag moe_ncclep_static_shape selects the static shape and the
+# dispatcher needs a rank capacity factor either way (it sizes the receive buffer, which the
+# dynamic shape narrows to the received rows). 0.20: the flag is gone; a set capacity factor selects
+# the static shape, and without it (eager) the receive buffer holds the received rows only.
+NCCLEP_STATIC_FLAG = "moe_ncclep_static_shape" in TorchExpertsTransformerConfig.__dataclass_fields__
+NCCLEP_DYNAMIC = dict(moe_expert_rank_capacity_factor=2.0) if NCCLEP_STATIC_FLAG else {}
+NCCLEP_DYNAMIC_FIX = ("moe_ncclep_static_shape=False" if NCCLEP_STATIC_FLAG
+                      else "moe_expert_rank_capacity_factor=None")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device (first run on the H200 in a later session)")
 
@@ -242,7 +250,8 @@ def ncclep_manager(config, buffer_probs, counts, recv_capacity, static_shape=Fal
     from megatron.core.transformer.moe.token_dispatcher import _NCCLEPManager
 
     manager = _NCCLEPManager.__new__(_NCCLEPManager)
-    manager.static_shape, manager._recv_capacity = static_shape, recv_capacity
+    manager.static_shape, manager._recv_capacity = static_shape, recv_capacity  # 0.19
+    manager.eager = not static_shape  # 0.20
     manager.dispatched_probs = buffer_probs
     manager.tokens_per_expert = torch.tensor(counts, dtype=torch.int32,
                                              device=buffer_probs.device).to(torch.int64)
@@ -251,14 +260,15 @@ def ncclep_manager(config, buffer_probs, counts, recv_capacity, static_shape=Fal
 
 @needs_0_19
 def test_ncclep_contract(megatron_cpu):
-    """NCCL-EP (dynamic shape): the receive buffer narrowed to the sum(splits) received rows (the
-    dispatcher's own host sync), int64 splits on the buffer's device, FP32 probs; the restore
-    re-expands to the receive capacity. What lies past the received rows is never read."""
+    """NCCL-EP (0.19's dynamic shape, 0.20's eager mode): the experts get the sum(splits) received
+    rows (0.19: the receive buffer narrowed by the dispatcher's own host sync, and the restore
+    re-expands to the receive capacity; 0.20: TE sizes the buffer to them), int64 splits on the
+    buffer's device, FP32 probs. What lies past the received rows is never read."""
     config, experts, seq = build_pair(megatron_cpu, moe_flex_dispatcher_backend="ncclep",
-                                      moe_expert_rank_capacity_factor=2.0)
+                                      **NCCLEP_DYNAMIC)
     tokens, indices, probs = received_tokens(24, "cpu")
     _, _, counts, token_ids = expert_major_buffer(tokens, indices, probs)
-    recv_capacity = sum(counts) + 16
+    recv_capacity = sum(counts) + (16 if NCCLEP_STATIC_FLAG else 0)
     recorder = Recorder(experts)
 
     def run(module, x):
@@ -283,7 +293,7 @@ def test_ncclep_zero_copy_buffers_are_refused(megatron_cpu, monkeypatch):
     from megatron.core.transformer.moe.token_dispatcher import _NCCLEPManager
 
     config, experts, _ = build_pair(megatron_cpu, moe_flex_dispatcher_backend="ncclep",
-                                    moe_expert_rank_capacity_factor=2.0)
+                                    **NCCLEP_DYNAMIC)
     tokens, indices, probs = received_tokens(8, "cpu")
     buffer, buffer_probs, counts, _ = expert_major_buffer(tokens, indices, probs)
     monkeypatch.setattr(_NCCLEPManager, "_zc_fwd_token_buf", torch.empty_like(buffer))
@@ -291,7 +301,7 @@ def test_ncclep_zero_copy_buffers_are_refused(megatron_cpu, monkeypatch):
     manager = ncclep_manager(config, buffer_probs, counts, len(buffer))
     with pytest.raises(TorchExpertsConfigError,
                        match="got output_buffer and grad_input_buffer .NCCL-EP zero copy.*set "
-                             "moe_ncclep_zero_copy=False and moe_ncclep_static_shape=False"):
+                             f"moe_ncclep_zero_copy=False and {NCCLEP_DYNAMIC_FIX}"):
         routed_experts_compute(config, manager, experts, buffer, buffer_probs)
 
 
@@ -300,7 +310,7 @@ def test_rows_past_the_split_sum_are_refused(megatron_cpu):
     """NCCL-EP's static shape hands over the whole receive buffer; the forward refuses a split
     sum short of the rows (the config refusal below keeps the dispatcher from doing it)."""
     config, experts, _ = build_pair(megatron_cpu, moe_flex_dispatcher_backend="ncclep",
-                                    moe_expert_rank_capacity_factor=2.0)
+                                    **NCCLEP_DYNAMIC)
     tokens, indices, probs = received_tokens(8, "cpu")
     _, _, counts, _ = expert_major_buffer(tokens, indices, probs)
     buffer, buffer_probs, _, _ = expert_major_buffer(tokens, indices, probs, rows=sum(counts) + 8)
@@ -325,10 +335,7 @@ VALID = dict(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, num_moe_ex
              moe_ffn_hidden_size=48, moe_grouped_gemm=True, add_bias_linear=False, bf16=True,
              params_dtype=torch.bfloat16, use_cpu_initialization=True,
              moe_token_dispatcher_type="flex", moe_expert_gemm_backend="torch")
-FLEX_REFUSALS = [
-    ("hybridep_budget", dict(moe_flex_dispatcher_backend="hybridep",
-                             moe_expert_rank_capacity_factor=1.5),
-     "moe_expert_rank_capacity_factor=1.5", "set moe_expert_rank_capacity_factor=None"),
+NCCLEP_REFUSALS = [
     ("ncclep_static_shape", dict(moe_flex_dispatcher_backend="ncclep",
                                  moe_expert_rank_capacity_factor=1.5,
                                  moe_ncclep_static_shape=True),
@@ -337,6 +344,20 @@ FLEX_REFUSALS = [
                               moe_expert_rank_capacity_factor=1.5, moe_ncclep_static_shape=True,
                               moe_ncclep_zero_copy=True),
      "moe_ncclep_zero_copy=True", "set moe_ncclep_zero_copy=False and moe_ncclep_static_shape=False"),
+] if NCCLEP_STATIC_FLAG else [
+    ("ncclep_static_shape", dict(moe_flex_dispatcher_backend="ncclep",
+                                 moe_expert_rank_capacity_factor=1.5),
+     "moe_expert_rank_capacity_factor=1.5", "set moe_expert_rank_capacity_factor=None"),
+    ("ncclep_zero_copy", dict(moe_flex_dispatcher_backend="ncclep",
+                              moe_expert_rank_capacity_factor=1.5, moe_ncclep_zero_copy=True),
+     "moe_ncclep_zero_copy=True",
+     "set moe_ncclep_zero_copy=False and moe_expert_rank_capacity_factor=None"),
+]
+FLEX_REFUSALS = [
+    ("hybridep_budget", dict(moe_flex_dispatcher_backend="hybridep",
+                             moe_expert_rank_capacity_factor=1.5),
+     "moe_expert_rank_capacity_factor=1.5", "set moe_expert_rank_capacity_factor=None"),
+    *NCCLEP_REFUSALS,
     ("paged_stash", dict(moe_flex_dispatcher_backend="hybridep", moe_paged_stash=True),
      "moe_paged_stash=True", "set moe_paged_stash=False"),
     ("offload_fused_group_mlp", dict(fine_grained_activation_offloading=True,
@@ -366,13 +387,13 @@ def test_refused_at_build(megatron_cpu, settings, named, fix):
 @_needs_fields("moe_flex_dispatcher_backend")
 @pytest.mark.parametrize("backend", ["deepep", "hybridep", "ncclep"])
 def test_supported_flex_configs_build(megatron_cpu, backend):
-    """DeepEP, HybridEP (no budget) and NCCL-EP (dynamic shape; its rank capacity factor sizes
-    the receive buffer) build TorchGroupedMLP."""
+    """DeepEP, HybridEP (no budget) and NCCL-EP (0.19: dynamic shape, its rank capacity factor
+    sizing the receive buffer; 0.20: eager, no capacity factor) build TorchGroupedMLP."""
     settings = dict(moe_flex_dispatcher_backend=backend)
     if backend == "ncclep":
-        if "moe_ncclep_static_shape" not in TorchExpertsTransformerConfig.__dataclass_fields__:
+        if "moe_ncclep_zero_copy" not in TorchExpertsTransformerConfig.__dataclass_fields__:
             pytest.skip(f"megatron-core {INSTALLED} has no NCCL-EP backend")
-        settings["moe_expert_rank_capacity_factor"] = 1.5
+        settings.update(NCCLEP_DYNAMIC)
     config = TorchExpertsTransformerConfig(**VALID, **settings)
     assert isinstance(TorchGroupedMLP(NUM_EXPERTS, config, pg_collection=megatron_cpu),
                       TorchGroupedMLP)
@@ -405,7 +426,7 @@ def test_flex_contract_on_cuda(te_world, backend):
     Transformer Engine importable (the TE leg), TEGroupedMLP on the same path agrees too."""
     router_dtype = "fp64" if backend == "deepep_fp64_probs" else None
     name = backend.split("_")[0]
-    extra = dict(moe_expert_rank_capacity_factor=2.0) if name == "ncclep" else {}
+    extra = NCCLEP_DYNAMIC if name == "ncclep" else {}
     config, experts, seq = build_pair(te_world, "cuda", moe_flex_dispatcher_backend=name,
                                       moe_router_dtype=router_dtype, **extra)
     tokens, indices, probs = received_tokens(64, "cuda")
@@ -423,8 +444,9 @@ def test_flex_contract_on_cuda(te_world, backend):
             manager.dispatched_probs = buffer_probs
             manager.tokens_per_expert = torch.tensor(counts).pin_memory()
         else:
-            buffer, buffer_probs, _, _ = expert_major_buffer(x, indices, probs,
-                                                             rows=sum(counts) + 64, fill=float("nan"))
+            rows = sum(counts) + (64 if NCCLEP_STATIC_FLAG else 0)
+            buffer, buffer_probs, _, _ = expert_major_buffer(x, indices, probs, rows=rows,
+                                                             fill=float("nan"))
             manager = ncclep_manager(config, buffer_probs, counts, len(buffer))
         rows_out = routed_experts_compute(config, manager, module, buffer, buffer_probs)
         return scatter_to_tokens(rows_out, token_ids, x.shape[0])
