@@ -20,13 +20,27 @@ from nemo_rl.models.policy.utils import get_runtime_env_for_policy_worker
 from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorkerImpl
 
 
-def enable_torch_experts(worker) -> None:
+def enable_torch_experts(worker, config=None) -> None:
     """Let this process's Megatron-Bridge rebuild providers naming the package's specs, register
     TorchGroupedLinear with Bridge's PEFT, and give `worker` the specs NeMo-RL's HF import puts
-    on the provider (GPT: torch_experts_gpt_spec; hybrid: torch_experts_hybrid_stack_spec)."""
+    on the provider (GPT: torch_experts_gpt_spec; hybrid: torch_experts_hybrid_stack_spec).
+
+    `config` (the worker's policy config): a `pretrained_checkpoint` of format `megatron_bridge`
+    or `megatron_lm` is refused (TorchExpertsConfigError): NeMo-RL skips its HF import for them,
+    and with it the spec, so the experts would silently be Megatron's."""
     from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix
 
-    from mcore_torch_experts import register_with_megatron_bridge
+    from mcore_torch_experts import TorchExpertsConfigError, register_with_megatron_bridge
+
+    checkpoint = (config or {}).get("pretrained_checkpoint") or {}
+    if checkpoint.get("format") in ("megatron_bridge", "megatron_lm"):
+        raise TorchExpertsConfigError(
+            f"policy.pretrained_checkpoint.format={checkpoint['format']!r} "
+            f"(path {checkpoint.get('path')!r}): NeMo-RL builds such a checkpoint's model without "
+            "its HF import, where TorchExpertsMegatronPolicyWorker puts the spec, so its experts "
+            "would be Megatron's. Remove policy.pretrained_checkpoint and set policy.model_name "
+            "to the HF checkpoint (export a Megatron checkpoint to HF first), with "
+            "policy.megatron_cfg.force_reconvert_from_hf: true once.")
     from mcore_torch_experts.specs import torch_experts_gpt_spec, torch_experts_hybrid_stack_spec
 
     register_allowed_target_prefix("mcore_torch_experts")
@@ -40,5 +54,5 @@ class TorchExpertsMegatronPolicyWorker(MegatronPolicyWorkerImpl):
     """NeMo-RL's Megatron policy worker, its MoE experts TorchGroupedMLP."""
 
     def __init__(self, config, *args, **kwargs):
-        enable_torch_experts(self)
+        enable_torch_experts(self, config)
         super().__init__(config, *args, **kwargs)

@@ -229,7 +229,16 @@ def nemo_rl_calls(out: Path) -> dict:
     megatron_cfg = yaml.safe_load(snippet("nemo-rl-config"))["policy"]["megatron_cfg"]
     extension = load_nemo_rl_extension()
     worker = types.SimpleNamespace()
-    extension.enable_torch_experts(worker)
+    result = {"nemo_rl_refusals": {}}
+    for fmt in ("megatron_bridge", "megatron_lm"):  # NeMo-RL skips the HF import for them
+        refused = types.SimpleNamespace()
+        try:
+            extension.enable_torch_experts(refused, {"pretrained_checkpoint": {
+                "format": fmt, "path": "/checkpoints/iter_0000010"}})
+        except Exception as error:  # noqa: BLE001 - recorded for the test
+            result["nemo_rl_refusals"][fmt] = f"{type(error).__name__}: {error}"
+        result[f"nemo_rl_{fmt}_left_unset"] = not vars(refused)
+    extension.enable_torch_experts(worker, {"pretrained_checkpoint": None})
     # MegatronPolicyWorkerImpl.__init__ -> handle_model_import -> import_model_from_hf_name
     transformer_layer_spec = getattr(worker, "_transformer_layer_spec", None)
     mamba_stack_spec = getattr(worker, "_mamba_stack_spec", None)
@@ -250,7 +259,7 @@ def nemo_rl_calls(out: Path) -> dict:
     megatron_model = model_provider.provide_distributed_model(
         wrap_with_ddp=False, post_wrap_hook=None, use_cpu_initialization=True,
         mixed_precision_wrapper=None)
-    result = {"nemo_rl_import_experts": experts_classes(megatron_model[0])}
+    result["nemo_rl_import_experts"] = experts_classes(megatron_model[0])
     write_run_config(megatron_model[0].config, out / "nemo_rl_run_config.yaml")
     save_weights(megatron_model[0], out / "nemo_rl_weights")
 

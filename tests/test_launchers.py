@@ -332,6 +332,19 @@ def test_nemo_rl_extension_worker_gives_its_import_the_spec(bridge_run):
     assert bridge_run["nemo_rl_provider_spec"] == "torch_experts_gpt_spec"
 
 
+@pytest.mark.parametrize("fmt", ["megatron_bridge", "megatron_lm"])
+def test_nemo_rl_extension_refuses_a_pretrained_checkpoint_that_skips_the_hf_import(bridge_run,
+                                                                                     fmt):
+    assert bridge_run["nemo_rl_refusals"][fmt] == (
+        f"TorchExpertsConfigError: policy.pretrained_checkpoint.format='{fmt}' (path "
+        "'/checkpoints/iter_0000010'): NeMo-RL builds such a checkpoint's model without its HF "
+        "import, where TorchExpertsMegatronPolicyWorker puts the spec, so its experts would be "
+        "Megatron's. Remove policy.pretrained_checkpoint and set policy.model_name to the HF "
+        "checkpoint (export a Megatron checkpoint to HF first), with "
+        "policy.megatron_cfg.force_reconvert_from_hf: true once.")
+    assert bridge_run[f"nemo_rl_{fmt}_left_unset"]  # nothing set on the worker
+
+
 @pytest.mark.parametrize("role", ["policy", "reference"])
 def test_nemo_rl_policy_and_reference_models_have_torch_experts_and_shared_adapters(bridge_run,
                                                                                     role):
