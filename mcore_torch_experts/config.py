@@ -70,7 +70,7 @@ REFUSED_WHEN_SET = {
 # use_te_activation_func for plain SwiGLU only (_refuse_te_activation_mismatch); the TE op fuser,
 # routing-map padding (FP8/FP4 only) and the paged stash (HybridEP / NCCL-EP) are refused above,
 # the flex dispatcher's fixed-size modes in _refuse_fixed_size_flex_dispatch.
-# A fused expert-LoRA switch (none in Megatron-Core 0.16 to 0.19): a field naming LoRA and experts.
+# A fused expert-LoRA switch (none in Megatron-Core 0.16 to 0.20): a field naming LoRA and experts.
 FUSED_EXPERT_LORA_FIELD = re.compile(r"lora.*(expert|moe)|(expert|moe).*lora")
 OFFLOADED_EXPERT_MODULES = {"expert_fc1", "moe_act", "fused_group_mlp"}  # fused_group_mlp: 0.19+
 

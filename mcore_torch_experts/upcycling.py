@@ -6,7 +6,7 @@ and TEGroupedMLP's (`experts.linear_fc1.weight{i}`). TorchGroupedMLP has TEGroup
 Megatron picks the layout with `isinstance(experts, TEGroupedMLP)` and refuses any other class.
 Here Megatron's own code runs with TorchGroupedMLP accepted as the TEGroupedMLP layout, so the
 weights, scales and router splits are exactly Megatron's; the resulting state dict loads into the
-packed expert buffers. (0.16 to 0.19: `upcycling_utils.py` is the same; `_get_config` looks
+packed expert buffers. (0.16 to 0.20: `upcycling_utils.py` is the same; `_get_config` looks
 `SequentialMLP` and `TEGroupedMLP` up in the module's globals at call time.)
 """
 
