@@ -18,6 +18,7 @@ only importable copy is the installed one.
 import ast
 import configparser
 import fnmatch
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -150,9 +151,20 @@ def leg_has(relative: str) -> bool:
     return any((Path(folder) / relative).is_file() for folder in megatron.__path__)
 
 
+def check_pip() -> None:
+    """The leg's pip takes `--python` (22.3) and `--check-build-dependencies` (22.1)."""
+    installed = importlib.metadata.version("pip")
+    version = tuple(int(part) for part in re.findall(r"\d+", installed)[:2])
+    assert version >= (22, 3), (
+        f"tests/test_installed_wheel.py needs pip >= 22.3 in the leg (pip --python, "
+        f"--check-build-dependencies); {sys.executable} has pip {installed}: "
+        f"{sys.executable} -m pip install 'pip>=22.3'")
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """The sdist, the wheel from the repository and the wheel from the unpacked sdist."""
+    check_pip()
     root = tmp_path_factory.mktemp("wheel")
     source = copy_of_the_repository(root / "repository")
     sdist_dir = root / "sdist"
