@@ -1,5 +1,7 @@
 """Frozen grouped-GEMM experts for adapter training on Megatron-Core MoE models."""
 
+__version__ = "0.1.0"  # the distribution's version too (setup.cfg reads it)
+
 from .bridge import check_bridge_peft, merge_bridge_lora, register_with_megatron_bridge
 from .combine import CHUNK_ROWS_ENV, DEFAULT_CHUNK_ROWS, chunk_rows_from_env, fp32_combine
 from .config import (

@@ -37,6 +37,23 @@ from .config import (
 from .experts import TorchGroupedMLP
 from .moe_layer import FP32CombineMoELayer
 
+# The spec functions docs/specs.md documents, by the import path launchers record
+# (`mcore_torch_experts.specs.NAME`).
+__all__ = [
+    "fp32_combine_gpt_spec",
+    "fp32_combine_hybrid_stack_spec",
+    "get_gpt_decoder_block_spec",
+    "get_gpt_layer_local_spec",
+    "get_gpt_layer_with_transformer_engine_spec",
+    "get_hybrid_stack_spec",
+    "gpt_transformer_layer_spec",
+    "torch_experts_fp32_combine_gpt_spec",
+    "torch_experts_fp32_combine_hybrid_stack_spec",
+    "torch_experts_gpt_spec",
+    "torch_experts_hybrid_stack_spec",
+    "with_torch_experts",
+]
+
 
 def torch_experts_spec() -> ModuleSpec:
     """The experts spec for MoESubmodules.experts, on every supported Megatron-Core release."""

@@ -80,6 +80,22 @@ def test_gpt_spec_snippet_builds_torch_experts(megatron_cpu):
     assert mlp_kinds(model)[1:] == [TorchGroupedMLP, TorchGroupedMLP]
 
 
+def test_spec_functions_snippet_and_table_name_every_public_spec_function():
+    """docs/specs.md imports and tabulates exactly `mcore_torch_experts.specs.__all__`, each the
+    package's own function."""
+    from mcore_torch_experts import specs
+
+    page = REPO / "docs" / "specs.md"
+    namespace = run_snippet("spec-functions", page)
+    imported = {name for name, value in namespace.items() if callable(value)}
+    assert imported == set(specs.__all__)
+    assert all(namespace[name] is getattr(specs, name) for name in imported)
+    table = [line for line in page.read_text().splitlines() if line.startswith("| `")]
+    tabulated = {name for line in table for name in re.findall(r"`(\w+)(?:\(|`)",
+                                                              line.split(" | ")[0])}
+    assert tabulated == set(specs.__all__)
+
+
 def test_convert_snippet_converts_every_experts_module(megatron_cpu, capsys):
     config = tiny_config(moe_grouped_gemm=False)
     model = gpt(config, gpt_layer_specs.get_gpt_decoder_block_spec(config, False))
