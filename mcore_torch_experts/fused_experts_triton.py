@@ -136,7 +136,7 @@ def _fc1_act_kernel(x_ptr, w_ptr, offs_ptr, p_ptr, h_ptr, out_ptr, xa_ptr, lb_pt
         if LORA_PER_EXPERT:
             lb_e = lb_ptr + expert.to(tl.int64) * width * R
         lb_ptrs = lb_e + cols[None, :].to(tl.int64) * R + rs[:, None]
-        for r in range(0, R, BLOCK_R):
+        for r in tl.range(0, R, BLOCK_R, num_stages=1):  # short: not pipelined
             r_ok = rs < R - r
             a = tl.load(la_ptrs, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
             b = tl.load(lb_ptrs, mask=col_ok[None, :] & r_ok[:, None], other=0.0)
@@ -217,7 +217,7 @@ def _dgrad_act_kernel(g_ptr, w_ptr, offs_ptr, p_ptr, h_ptr, dh_ptr, dp_ptr, gb_p
         if LORA_PER_EXPERT:
             la_e = la_ptr + expert.to(tl.int64) * R * N
         lb_ptrs = la_e + rs[:, None].to(tl.int64) * N + cols[None, :]
-        for r in range(0, R, BLOCK_R):
+        for r in tl.range(0, R, BLOCK_R, num_stages=1):  # short: not pipelined
             r_ok = rs < R - r
             a = tl.load(ga_ptrs, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
             b = tl.load(lb_ptrs, mask=col_ok[None, :] & r_ok[:, None], other=0.0)
@@ -263,8 +263,9 @@ def _e_p2(num_experts: int) -> int:
 
 
 def _block_r(rank: int) -> int:
-    """The adapter loop's K block: tl.dot needs at least 16; past 64 the loop steps."""
-    return min(64, max(16, triton.next_power_of_2(rank)))
+    """The adapter loop's K block: tl.dot needs at least 16; past 32 the loop steps (its operand
+    tiles, one stage, stay small beside the main loop's pipelined ones)."""
+    return min(32, max(16, triton.next_power_of_2(rank)))
 
 
 def _grid(rows: int, num_experts: int, tiles: Tiles, width: int):

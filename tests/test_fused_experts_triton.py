@@ -274,8 +274,8 @@ def _fp64_effective(weight, a, b, scale):
     return weight.double() + scale * (b @ a)
 
 
-# (activation case, expert adapter, rank, adapters on fc1 / fc2): masked rank loops (rank 4 and
-# 72, past one 64-wide step), per-expert ranks that are multiples of 8.
+# (activation case, expert adapter, rank, adapters on fc1 / fc2): masked rank loops (rank 4, and
+# 72: three 32-wide steps, the last masked), per-expert ranks that are multiples of 8.
 LORA_CASES = [
     (dict(activation="squared_relu", glu=False), "shared", 4, (True, True)),
     (dict(activation="squared_relu", glu=False), "per_expert", 8, (True, True)),
