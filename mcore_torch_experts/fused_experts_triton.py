@@ -11,6 +11,14 @@ separately:
 
 fc2 forward and fc1's input gradient are plain grouped GEMMs and stay on torch's grouped_mm.
 
+LoRA adapters on either linear (LoRATerm: shared factors or one pair per expert, scale alpha/r):
+the small `scale * x @ A.T` [T, r] is computed outside (a grouped GEMM per expert), and the fc1
+kernel runs a second, short K loop of length r over it and B into the same accumulators, so the
+epilogue sees the whole pre-activation; the fc2 input-gradient kernel adds `scale * (g @ B) @ A`
+the same way before the activation's backward. fc2 forward adds the adapter with grouped_mm (or
+plain matmuls for shared factors); the adapters' gradients are exact, from the [T, r] products,
+fc2's input (for fc2's A) and the gradients of h and of fc2's output.
+
 Scheduling needs no host sync and is CUDA-graph capturable: the grid is an upper bound on the
 row tiles, cdiv(T, BLOCK_M) + E (each expert wastes at most one partial tile), times the column
 tiles; every program finds its expert from the cumulative row ends `offs` on the device (a prefix
@@ -402,12 +410,16 @@ class Fc1Activation(torch.autograd.Function):
     The first output carries no gradient back (Fc2AfterActivation hands the gradient of h
     instead); backward is fc1's input gradient, d x = d h @ w1[e], and with an adapter
     d xa = d h @ lb (x and A get the rest through lora_down's autograd) and d lb = d h.T @ xa
-    (per expert over its rows). Saves w1, the offsets and, with an adapter, xa [T, r] and lb."""
+    (per expert over its rows). Saves w1, the offsets and, with an adapter, lb (for d xa) and
+    xa [T, r] (for d lb), each only when that gradient is wanted."""
 
     @staticmethod
     def forward(ctx, x, probs, w1, offs, grouped_mm, act, glu, offset, clamp, xa, lb):
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(w1, offs, xa, lb)
+        needs = ctx.needs_input_grad
+        ctx.save_for_backward(w1, offs, xa if lb is not None and needs[10] else None,
+                              lb if lb is not None and needs[9] else None)
+        ctx.per_expert = lb is not None and lb.dim() == 3
         ctx.grouped_mm = grouped_mm
         inter, h = fc1_activation(x.contiguous(), w1, offs, probs.contiguous(), act, glu, offset,
                                   clamp, save_h=True, xa=xa, lb=lb)
@@ -426,10 +438,10 @@ class Fc1Activation(torch.autograd.Function):
         else:
             dx = ctx.grouped_mm(grad_h, w1, offs=offs) if ctx.needs_input_grad[0] else None
         dxa = dlb = None
-        if lb is not None and ctx.needs_input_grad[9]:
+        if lb is not None:  # saved only when xa needs its gradient
             dxa = _rows_times(grad_h, lb, offs, ctx.grouped_mm, transpose=False)
-        if lb is not None and ctx.needs_input_grad[10]:
-            dlb = _factor_grad(grad_h, xa, offs, ctx.grouped_mm, w1.shape[0], lb.dim() == 3)
+        if xa is not None:  # saved only when lb needs its gradient
+            dlb = _factor_grad(grad_h, xa, offs, ctx.grouped_mm, w1.shape[0], ctx.per_expert)
         return (dx, *nothing, dxa, dlb)
 
 

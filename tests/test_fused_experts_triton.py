@@ -421,3 +421,10 @@ def test_torch_grouped_mlp_fused_gemm_with_adapters_matches_grouped_mm(megatron_
     assert len(fused) == len(reference) == 7
     errors = [rel_err(f, r) for f, r in zip(fused, reference)]
     assert max(errors) < 2e-2, errors
+    # Frozen adapters (a reference model, say): the same kernels, the input gradient unchanged.
+    experts.expert_kernel_setting = experts.expert_kernel_impl = "fused_gemm"
+    for p in lora_parameters(experts).values():
+        p.requires_grad_(False)
+    frozen = _forward_backward(experts, x, splits, probs, grad)
+    assert len(frozen) == 3 and len(calls) == 3
+    assert all(torch.equal(a, b) for a, b in zip(frozen, fused[:3]))
