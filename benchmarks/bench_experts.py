@@ -6,6 +6,9 @@ BF16 weights:
   - TorchGroupedMLP called as MoELayer calls it, experts(x, tokens_per_expert, probs), with the
     splits on the CPU (what 0.16's dispatchers hand over) and on the GPU; and a CUDA graph of
     forward+backward with GPU splits, replayed (and replayed again after new splits are copied in);
+  - TorchGroupedMLP with our LoRA adapters on both linears (--lora-rank, --lora-adapter), its
+    kernels forced to fused_gemm and to grouped_mm; their step is the update pass (adapter
+    gradients included);
   - TorchGroupedMLP with its activation x probs forced to eager torch ops (what the fused Triton
     kernel, `activation_impl == "fused"`, saves);
   - the raw grouped_mm pair written with plain torch ops (no module, no autograd), and its four
@@ -32,11 +35,13 @@ from pathlib import Path
 
 import torch
 
-from experts_impls import (DENSE, EAGER_ACT, FUSED, GEMMS, GROUPED, LEGACY, OURS_CPU, OURS_GPU,
-                           OURS_GRAPH, RAW, REPO_ROOT, SEQUENTIAL, TE, build_legacy,
-                           build_sequential, build_te, copy_into_ours, forced_forward, frozen,
-                           gemm_impl, graph_step, guarded_build, init_megatron, make_config,
-                           measure, module_impl, raw_pair_impl, rel_err)
+from experts_impls import (DENSE, EAGER_ACT, FUSED, GEMMS, GROUPED, LEGACY, LORA_FUSED,
+                           LORA_GROUPED, OURS_CPU, OURS_GPU, OURS_GRAPH, RAW, REPO_ROOT,
+                           SEQUENTIAL, TE, build_legacy, build_sequential, build_te,
+                           copy_into_ours, forced_forward, frozen, gemm_impl, graph_step,
+                           guarded_build, init_megatron, lora_agreement, lora_impl,
+                           lora_wrappers, make_config, measure, module_impl, raw_pair_impl,
+                           rel_err)
 from experts_report import plots, report_body, to_json
 from harness import Meter, guarded, header, write_report
 from shapes import ROUTINGS, SHAPES, SWEEP, TINY_SHAPES, make_splits
@@ -136,6 +141,15 @@ class ShapeBench:
                 x, gy, fc1_out_like, act_like)),
             (SEQUENTIAL, lambda: seq_impl),
         ]
+        if full and args.lora_rank:
+            wrappers = lora_wrappers(ours, args.lora_adapter, args.lora_rank, 2.0 * args.lora_rank,
+                                     args.seed)
+            lora = {kernel: lambda kernel=kernel, name=name: lora_impl(
+                        name, ours, wrappers, x, splits, probs, gy, kernel)
+                    for kernel, name in (("fused_gemm", LORA_FUSED), ("grouped_mm", LORA_GROUPED))}
+            impls += [(LORA_FUSED, lora["fused_gemm"] if self.meter.cuda else
+                       lambda: "not available: its Triton kernels run on CUDA"),
+                      (LORA_GROUPED, lora["grouped_mm"])]
         if full and self.meter.cuda:
             impls.insert(1, (OURS_GPU, lambda: module_impl(OURS_GPU, ours, x, gpu_splits, probs,
                                                            gy, ours=True)))
@@ -147,6 +161,11 @@ class ShapeBench:
             row = guarded(name, lambda: self.row(make(), name, reference, full))
             rows.append(row)
             self.progress(shape, routing, config.num_moe_experts, row)
+        if full and args.lora_rank and self.meter.cuda:
+            fused_row = next(r for r in rows if r["name"] == LORA_FUSED)
+            if "note" not in fused_row:
+                fused_row["lora_diff"] = guarded("LoRA agreement", lambda: lora_agreement(
+                    lora["fused_gemm"](), lora["grouped_mm"]()))
         if full and graph is not None:
             row = guarded(OURS_GRAPH, lambda: self.graph_row(graph, ours, x, gpu_splits, probs, gy,
                                                              reference))
@@ -208,6 +227,10 @@ def environment(args, device):
                  f"{'on' if args.flush_l2 else 'off'}; skewed routing: Zipf {args.zipf} over a "
                  f"seeded expert order (seed {args.seed}); weights frozen, bf16; probs FP32 "
                  "without grad")
+    if args.lora_rank:
+        lines.append(f"'+ LoRA' rows: {args.lora_adapter} adapters on linear_fc1 and linear_fc2, "
+                     f"rank {args.lora_rank}, alpha {2 * args.lora_rank}; their fwd+dgrad is "
+                     "the update pass (adapter gradients included)")
     return lines
 
 
@@ -242,6 +265,11 @@ def main():
     parser.add_argument("--flush-l2", action="store_true", help="zero 256 MiB before each call")
     parser.add_argument("--zipf", type=float, default=1.0, help="exponent of the skewed routing")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--lora-rank", type=int, default=16,
+                        help="rank of the LoRA adapters of the '+ LoRA' rows (alpha = 2 x rank); "
+                             "0 leaves the rows out")
+    parser.add_argument("--lora-adapter", choices=("per_expert", "shared"), default="per_expert",
+                        help="one adapter per expert or one shared by the experts")
     args = parser.parse_args()
 
     args.tiny = args.tiny or not torch.cuda.is_available()

@@ -23,6 +23,8 @@ OURS_GRAPH = "TorchGroupedMLP CUDA graph (GPU splits)"
 EAGER_ACT = "TorchGroupedMLP, eager activation"
 FUSED = "TorchGroupedMLP, fused_gemm (CPU splits)"
 GROUPED = "TorchGroupedMLP, grouped_mm (CPU splits)"
+LORA_FUSED = "TorchGroupedMLP + LoRA, fused_gemm (CPU splits)"
+LORA_GROUPED = "TorchGroupedMLP + LoRA, grouped_mm (CPU splits)"
 RAW = "raw grouped_mm pair"
 GEMMS = "grouped_mm GEMMs alone"
 DENSE = "dense GEMMs (ceiling)"
@@ -254,6 +256,57 @@ def forced_forward(mlp, x, splits, probs, kernel, activation=None):
         return mlp(x, splits, probs)[0]
     finally:
         mlp.expert_kernel_setting, mlp.expert_kernel_impl, mlp.activation_impl = saved
+
+
+def lora_wrappers(mlp, kind: str, rank: int, alpha: float, seed: int):
+    """Our LoRALinear around linear_fc1 and linear_fc2 of `mlp` (not installed), with B drawn
+    small instead of zero so the adapter term is live; kind "shared" or "per_expert"."""
+    from mcore_torch_experts.lora import LoRAAdapter, LoRALinear, PerExpertLoRAAdapter
+
+    torch.manual_seed(seed)
+    wrappers = []
+    for base in (mlp.linear_fc1, mlp.linear_fc2):
+        device, dtype = base.packed_weight.device, base.packed_weight.dtype
+        if kind == "shared":
+            adapter = LoRAAdapter(base.in_features, base.out_features, rank, alpha, 0.0, dtype,
+                                  device)
+        else:
+            adapter = PerExpertLoRAAdapter(base.num_experts, base.in_features, base.out_features,
+                                           rank, alpha, 0.0, dtype, device)
+        with torch.no_grad():
+            adapter.linear_out.weight.normal_(std=0.02)
+        wrappers.append(LoRALinear(base, adapter))
+    return wrappers
+
+
+def lora_impl(name, mlp, wrappers, x, splits, probs, gy, kernel):
+    """TorchGroupedMLP with the LoRA wrappers installed on its linears for the call and its
+    kernels forced to `kernel`; backward is the update pass: the input gradient and every
+    adapter factor's gradient (the first returned)."""
+    params = [p for wrapper in wrappers for p in wrapper.adapter.parameters()]
+
+    def forward():
+        saved = mlp.linear_fc1, mlp.linear_fc2
+        mlp.linear_fc1, mlp.linear_fc2 = wrappers
+        try:
+            out = forced_forward(mlp, x, splits, probs, kernel)
+        finally:
+            mlp.linear_fc1, mlp.linear_fc2 = saved
+        return out, out
+
+    def backward(out):
+        return torch.autograd.grad(out, [x, *params], gy)
+
+    return Impl(name, forward, backward, module=True, ours=True, computes_experts=False)
+
+
+def lora_agreement(fused, grouped):
+    """Largest relative difference of output, input gradient and adapter gradients between the
+    two LoRA paths (each Impl run once)."""
+    out_f, ctx_f = fused.forward()
+    out_g, ctx_g = grouped.forward()
+    pairs = [(out_f, out_g), *zip(fused.backward(ctx_f), grouped.backward(ctx_g))]
+    return max(rel_err(a, b) for a, b in pairs)
 
 
 # --- measurement ---------------------------------------------------------------------------------

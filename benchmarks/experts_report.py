@@ -3,7 +3,8 @@ against grouped_mm, the local expert sweep, the one-time packing costs, and the 
 """
 
 from harness import fmt, pyplot, ratio, save_figure
-from experts_impls import (DENSE, EAGER_ACT, FUSED, GEMMS, GROUPED, OURS_CPU, OURS_GPU, RAW,
+from experts_impls import (DENSE, EAGER_ACT, FUSED, GEMMS, GROUPED, LORA_FUSED, LORA_GROUPED,
+                           OURS_CPU, OURS_GPU, RAW,
                            SEQUENTIAL, step_flops)
 
 
@@ -169,6 +170,27 @@ def fused_table(results):
     return lines
 
 
+def lora_table(results):
+    """fused_gemm + LoRA against grouped_mm + LoRA: the update pass (forward, input gradient and
+    the adapters' gradients) and the forward alone."""
+    lines = ["| shape | routing | fused_gemm + LoRA ms | grouped_mm + LoRA ms | fused / grouped_mm "
+             "| fwd fused + LoRA ms | fwd grouped_mm + LoRA ms | fused_gemm (no LoRA) ms "
+             "| peak MiB fused / grouped_mm | rel diff |", "|" + "---|" * 10]
+    for res in results:
+        rows = {r["name"]: r for r in res["rows"]}
+        if LORA_GROUPED not in rows:
+            continue
+        fused, grouped = rows.get(LORA_FUSED, {}), rows[LORA_GROUPED]
+        diff = fused.get("lora_diff")
+        lines.append("| " + " | ".join([
+            res["name"], res["routing"], fmt(fused.get("step_ms")), fmt(grouped.get("step_ms")),
+            fmt(ratio(fused.get("step_ms"), grouped.get("step_ms")), ".3f"),
+            fmt(fused.get("fwd_ms")), fmt(grouped.get("fwd_ms")), fmt(step_of(res, FUSED)),
+            f"{fmt(fused.get('peak_mib'), '.0f')} / {fmt(grouped.get('peak_mib'), '.0f')}",
+            fmt(diff, ".1e") if isinstance(diff, float) else (fused.get("note") or "—")]) + " |")
+    return lines
+
+
 def report_body(results, sweep, packing, target_shape) -> list:
     """The report's markdown lines after the header."""
     lines = ["## Targets", "", "Judged on TorchGroupedMLP as MoELayer calls it (CPU splits); GPU "
@@ -190,6 +212,15 @@ def report_body(results, sweep, packing, target_shape) -> list:
               "the dense ceiling (targets: uniform >= 0.90, skewed >= 0.85) and fused_gemm time / "
               "grouped_mm time (target: <= 1 everywhere).", ""]
     lines += fused_table(results) + [""]
+    lora = lora_table(results)
+    if len(lora) > 2:
+        lines += ["## fused_gemm + LoRA against grouped_mm + LoRA", "",
+                  "The same module with our LoRA adapters on linear_fc1 and linear_fc2 (the "
+                  "header's rank and layout, B drawn non-zero), kernels forced either way: the "
+                  "update pass (forward, input gradient and every adapter factor's gradient) and "
+                  "the forward alone. rel diff: largest relative difference of output and "
+                  "gradients between the two paths.", ""]
+        lines += lora + [""]
     if sweep:
         lines += ["## Local expert count sweep (uniform routing, fixed total rows)", ""]
         lines += sweep_table(sweep) + [""]

@@ -34,7 +34,8 @@ from megatron.core.utils import get_pg_rank, get_pg_size
 from . import _compat
 from .config import TorchExpertsConfigError, validate_torch_experts_config
 from .grouped_gemm import Splits, find_grouped_mm, frozen_grouped_linear, group_offsets
-from .kernel_choice import choose_expert_kernel, fused_activation_available, fused_gemm_obstacle
+from .kernel_choice import (choose_expert_kernel, fused_activation_available, fused_adapter,
+                            fused_gemm_obstacle)
 from .packing import PackedExpertWeights
 
 ON_BUILD: List[Callable[[], None]] = []
@@ -271,8 +272,10 @@ class TorchGroupedMLP(MegatronModule):
         self.expert_kernel_impl = choose_expert_kernel(config)
         """"fused_gemm": fc1 with activation x probs in its epilogue and fc2's input gradient with
         the activation's backward in its epilogue (Triton, fused_experts_triton.py), fc2 forward and
-        fc1's input gradient on grouped_mm; "grouped_mm": four grouped_mm GEMMs with the activation
-        between them (`activation_impl`). Resolved from `moe_expert_kernel` at construction."""
+        fc1's input gradient on grouped_mm, a LoRA adapter of ours on either linear in the same
+        kernels (kernel_choice.fused_gemm_obstacle names what is not); "grouped_mm": four
+        grouped_mm GEMMs with the activation between them (`activation_impl`), adapters called
+        as modules. Resolved from `moe_expert_kernel` at construction."""
         _BUILT.add(self)
 
     def activation(self, fc1_out: torch.Tensor) -> torch.Tensor:
@@ -311,12 +314,7 @@ class TorchGroupedMLP(MegatronModule):
             hidden = (probs * hidden).to(hidden.dtype)
             probs = None
         if self._runs_fused_gemm(hidden):
-            from .fused_experts_triton import fused_experts
-
-            w1, offs = self.linear_fc1.weight_and_offsets(hidden, tokens_per_expert)
-            w2 = self.linear_fc2.packed(refuse_trainable=torch.is_grad_enabled())
-            return fused_experts(self.config, hidden, permuted_probs, w1, w2, offs,
-                                 self.linear_fc1._grouped_mm), None
+            return self._fused_forward(hidden, tokens_per_expert, permuted_probs), None
         fc1_out, _ = self.linear_fc1(hidden, tokens_per_expert)
         if self.activation_impl == "fused" and fc1_out.is_cuda:
             from .activation_triton import fused_activation_probs
@@ -328,6 +326,28 @@ class TorchGroupedMLP(MegatronModule):
                 act = (act * probs).to(fc1_out.dtype)
         out, _ = self.linear_fc2(act, tokens_per_expert)
         return out, None
+
+    def _fused_forward(self, hidden, tokens_per_expert, permuted_probs):
+        """The fused GEMM path: the packed weights, and the LoRA term of each linear's adapter."""
+        from .fused_experts_triton import LoRATerm, check_lora, fused_experts
+
+        bases, terms = [], []
+        for linear in (self.linear_fc1, self.linear_fc2):
+            base, adapter = fused_adapter(linear, TorchGroupedLinear)
+            bases.append(base)
+            if adapter is None:
+                terms.append(None)
+                continue
+            term = LoRATerm(adapter.linear_in.weight.to(hidden.dtype),
+                            adapter.linear_out.weight.to(hidden.dtype), float(adapter.scale))
+            check_lora(term, f"{linear.to_wrap.name}.adapter", base.num_experts,
+                       base.in_features, base.out_features, hidden.dtype)
+            terms.append(term)
+        fc1, fc2 = bases
+        w1, offs = fc1.weight_and_offsets(hidden, tokens_per_expert)
+        w2 = fc2.packed(refuse_trainable=torch.is_grad_enabled())
+        return fused_experts(self.config, hidden, permuted_probs, w1, w2, offs, fc1._grouped_mm,
+                             *terms)
 
     def _runs_fused_gemm(self, hidden: torch.Tensor) -> bool:
         """Whether this call takes the fused GEMM path (kernel_choice.fused_gemm_obstacle); a

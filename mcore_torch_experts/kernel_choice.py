@@ -54,15 +54,63 @@ def has_hooks(module: torch.nn.Module) -> bool:
                 hooks._global_backward_pre_hooks))
 
 
+def fused_adapter(linear: torch.nn.Module, linear_type: type):
+    """(base, adapter) of an expert linear as the fused path sees it: a plain `linear_type` is
+    (linear, None); our LoRALinear around one, (its base, its adapter). Anything else is
+    (None, None)."""
+    from .lora import LoRALinear
+
+    if type(linear) is linear_type:
+        return linear, None
+    if type(linear) is LoRALinear and type(linear.to_wrap) is linear_type:
+        return linear.to_wrap, linear.adapter
+    return None, None
+
+
+def _adapter_obstacle(name: str, linear: torch.nn.Module, adapter: torch.nn.Module):
+    """Why the fused kernels cannot compute `adapter` (of our LoRALinear `linear`), or None."""
+    from .lora import LoRAAdapter, PerExpertLoRAAdapter
+
+    if type(adapter) not in (LoRAAdapter, PerExpertLoRAAdapter):
+        return (f"{name}'s adapter is a {type(adapter).__name__}, not one of "
+                "mcore_torch_experts.lora's LoRAAdapter/PerExpertLoRAAdapter")
+    if getattr(adapter, "tp_mode", None) is not None:
+        return f"{name}'s adapter maps its rank-r activation across tensor-parallel ranks"
+    if not isinstance(adapter.dropout, torch.nn.Identity):
+        return (f"{name}'s adapter has dropout {getattr(adapter.dropout, 'p', '?')} (the fused "
+                "fc2 input gradient cannot mask the adapter's share); apply_lora(dropout=0.0) "
+                "adapters are fused")
+    hooked = [part for part, module in (("the LoRALinear", linear), ("its adapter", adapter),
+                                        ("linear_in", adapter.linear_in),
+                                        ("linear_out", adapter.linear_out))
+              if has_hooks(module)]
+    if hooked:
+        return f"{name}: {' and '.join(hooked)} carry hooks that it would skip"
+    return None
+
+
 def fused_gemm_obstacle(linears: Sequence[torch.nn.Module], linear_type: type,
                         hidden: torch.Tensor) -> Optional[str]:
     """Why this call cannot take the fused GEMM path, which calls the packed weights directly
-    (skipping `linears`' own calls), or None when it can: the linears must be plain
-    `linear_type` without hooks, and the input on CUDA (or under triton's interpreter)."""
-    if any(type(m) is not linear_type or has_hooks(m) for m in linears):
-        return ("moe_expert_kernel='fused_gemm' runs the packed expert weights directly, but "
-                "linear_fc1/linear_fc2 carry adapters or hooks that it would skip; set "
-                "moe_expert_kernel='grouped_mm' or 'auto' for adapters or hooks on the experts.")
+    (skipping `linears`' own calls), or None when it can: each linear must be a plain
+    `linear_type` without hooks, or our LoRALinear around one with a LoRA adapter the kernels
+    compute (lora.py's, no dropout, no tensor-parallel mapping, no hooks anywhere), and the
+    input on CUDA (or under triton's interpreter)."""
+    for name, linear in zip(("linear_fc1", "linear_fc2"), linears):
+        base, adapter = fused_adapter(linear, linear_type)
+        reason = None
+        if base is None:
+            reason = (f"{name} is a {type(linear).__name__}, an adapter wrapper or module it "
+                      "cannot compute")
+        elif has_hooks(base):
+            reason = f"{name} carries hooks that it would skip"
+        elif adapter is not None:
+            reason = _adapter_obstacle(name, linear, adapter)
+        if reason is not None:
+            return ("moe_expert_kernel='fused_gemm' runs the packed expert weights directly, but "
+                    f"linear_fc1/linear_fc2 carry adapters or hooks that it would skip ({reason});"
+                    " set moe_expert_kernel='grouped_mm' or 'auto' for such adapters or hooks on "
+                    "the experts.")
     from .fused_experts_triton import INTERPRETER
 
     if not hidden.is_cuda and not INTERPRETER:

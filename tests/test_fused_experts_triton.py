@@ -9,7 +9,7 @@ import torch
 
 from mcore_torch_experts import TorchGroupedMLP
 from mcore_torch_experts.kernel_choice import choose_expert_kernel
-from mcore_torch_experts.lora import LoRALinear, PerExpertLoRAAdapter
+from mcore_torch_experts.lora import LoRAAdapter, LoRALinear, PerExpertLoRAAdapter
 from reference import fp64_experts, rel_err
 from reference import make_config as _make_config
 
@@ -158,21 +158,83 @@ def test_forced_fused_gemm_refuses_linears_with_hooks(megatron_cpu, hook):
         handle.remove()
 
 
+def _adapter(kind, base, rank=8, dropout=0.0):
+    if kind == "shared":
+        return LoRAAdapter(base.in_features, base.out_features, rank, 16.0, dropout,
+                           torch.bfloat16, "cpu")
+    return PerExpertLoRAAdapter(base.num_experts, base.in_features, base.out_features, rank, 16.0,
+                                dropout, torch.bfloat16, "cpu")
+
+
+class OtherWrapper(LoRALinear):
+    """An adapter wrapper that is not ours (Bridge's AdapterWrapper, a subclass): its forward
+    may do anything."""
+
+
+class NotLoRA(torch.nn.Module):
+    def forward(self, x, *args):
+        return torch.zeros(x.shape[0], 1)
+
+
+def _wrap_other(experts, linear):
+    base = getattr(experts, linear)
+    setattr(experts, linear, OtherWrapper(base, _adapter("per_expert", base)))
+
+
+def _dropout_adapter(experts, linear):
+    base = getattr(experts, linear)
+    setattr(experts, linear, LoRALinear(base, _adapter("shared", base, dropout=0.1)))
+
+
+def _foreign_adapter(experts, linear):
+    setattr(experts, linear, LoRALinear(getattr(experts, linear), NotLoRA()))
+
+
+def _hooked_adapter(experts, linear):
+    base = getattr(experts, linear)
+    wrapper = LoRALinear(base, _adapter("per_expert", base))
+    wrapper.adapter.linear_in.register_forward_hook(lambda *args: None)
+    setattr(experts, linear, wrapper)
+
+
+UNFUSABLE = {"other_wrapper": (_wrap_other, "is a OtherWrapper"),
+             "dropout": (_dropout_adapter, "has dropout 0.1"),
+             "not_lora": (_foreign_adapter, "adapter is a NotLoRA"),
+             "hooked_adapter": (_hooked_adapter, "linear_in carry hooks")}
+
+
 @pytest.mark.parametrize("linear", ["linear_fc1", "linear_fc2"])
-def test_forced_fused_gemm_refuses_linears_with_adapters(megatron_cpu, linear):
-    """The fused path would skip a LoRA adapter on either expert linear: a forced "fused_gemm"
-    refuses, on the CPU too (the adapter check comes before the device check)."""
+@pytest.mark.parametrize("kind", list(UNFUSABLE))
+def test_forced_fused_gemm_refuses_adapters_it_cannot_compute(megatron_cpu, linear, kind):
+    """Adapters the kernels do not compute (another wrapper, dropout, another adapter module,
+    hooks on the adapter): a forced "fused_gemm" refuses, naming the linear and the reason, on
+    the CPU too (the adapter check comes before the device check)."""
     pytest.importorskip("triton")
     config = make_config(activation="squared_relu", glu=False, moe_expert_kernel="fused_gemm")
     experts = TorchGroupedMLP(config.num_moe_experts, config, pg_collection=megatron_cpu)
     experts.requires_grad_(False)
-    base = getattr(experts, linear)
-    adapter = PerExpertLoRAAdapter(config.num_moe_experts, base.in_features, base.out_features,
-                                   8, 16.0, 0.0, torch.bfloat16, "cpu")
-    setattr(experts, linear, LoRALinear(base, adapter))
+    wrap, reason = UNFUSABLE[kind]
+    wrap(experts, linear)
     x = torch.randn(8, config.hidden_size).bfloat16()
-    with pytest.raises(RuntimeError, match="carry adapters or hooks"):
+    with pytest.raises(RuntimeError, match=f"carry adapters or hooks.*{linear}.*{reason}"):
         experts(x, [2, 2, 2, 2], torch.rand(8))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="the interpreter runs the kernels on the CPU")
+@pytest.mark.parametrize("kind", ["shared", "per_expert"])
+def test_forced_fused_gemm_takes_our_adapters(megatron_cpu, kind):
+    """Our LoRA adapters on both linears pass the adapter check: on the CPU (no interpreter) the
+    call reaches the device check, and the choice of the kernel is the config's alone."""
+    pytest.importorskip("triton")
+    config = make_config(activation="squared_relu", glu=False, moe_expert_kernel="fused_gemm")
+    experts = TorchGroupedMLP(config.num_moe_experts, config, pg_collection=megatron_cpu)
+    experts.requires_grad_(False)
+    for linear in ("linear_fc1", "linear_fc2"):
+        base = getattr(experts, linear)
+        setattr(experts, linear, LoRALinear(base, _adapter(kind, base)))
+    with pytest.raises(RuntimeError, match="runs Triton kernels on CUDA tensors"):
+        experts(torch.randn(8, config.hidden_size).bfloat16(), [2, 2, 2, 2], torch.rand(8))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -193,3 +255,176 @@ def test_auto_calls_every_hook_of_the_linears(megatron_cpu, hook, device):
     finally:
         handle.remove()
     assert calls and x.grad is not None
+
+
+# --- LoRA adapters in the fused kernels --------------------------------------------------------
+
+def _lora_factors(kind, num_experts, in_features, out_features, rank, gen):
+    """Random A [r, in], B [out, r] (or per expert [E, ...]), bf16 leaves that train; B non-zero
+    (a fresh adapter's B is zero and would hide its term)."""
+    lead = (num_experts,) if kind == "per_expert" else ()
+    a = (torch.randn(*lead, rank, in_features, generator=gen) * 0.3).bfloat16()
+    b = (torch.randn(*lead, out_features, rank, generator=gen) * 0.3).bfloat16()
+    return a.requires_grad_(True), b.requires_grad_(True)
+
+
+def _fp64_effective(weight, a, b, scale):
+    """weight [E, out, in] + scale * B @ A (per expert, or one B @ A for all): the base plus the
+    adapter term as one FP64 weight per expert, differentiable in A and B."""
+    return weight.double() + scale * (b @ a)
+
+
+# (activation case, expert adapter, rank, adapters on fc1 / fc2): masked rank loops (rank 4, and
+# 72: three 32-wide steps, the last masked), per-expert ranks that are multiples of 8.
+LORA_CASES = [
+    (dict(activation="squared_relu", glu=False), "shared", 4, (True, True)),
+    (dict(activation="squared_relu", glu=False), "per_expert", 8, (True, True)),
+    (dict(activation="silu", glu=True), "shared", 72, (True, True)),
+    (dict(activation="silu", glu=True), "per_expert", 16, (True, False)),
+    (dict(activation="silu", glu=False), "per_expert", 8, (False, True)),
+]
+
+
+@pytest.mark.triton_interpreter
+def test_fused_experts_with_lora_match_fp64_in_the_interpreter():
+    """fused_experts with LoRA terms on fc1 and/or fc2 against the FP64 per-expert loop with
+    weight + scale * B @ A: output, input gradient, probs gradient and every adapter factor's
+    gradient; random splits with zero-token experts (their per-expert factors get exactly zero
+    gradient) and an empty batch; the no-grad pass gives the grad pass's output bit for bit, and
+    a second run repeats the first bit for bit."""
+    pytest.importorskip("triton", reason="triton is not installed: the fused kernels are untested")
+    if not hasattr(torch.nn.functional, "grouped_mm"):
+        pytest.skip("this torch has no CPU grouped_mm for fc2 and fc1's input gradient")
+    if torch.cuda.is_available():
+        pytest.skip("on a CUDA host the kernels run compiled, on the GPU (tests/test_gpu.py)")
+    from mcore_torch_experts.fused_experts_triton import LoRATerm, fused_experts
+    from mcore_torch_experts.grouped_gemm import find_grouped_mm
+
+    gmm = find_grouped_mm().fn
+    gen = torch.Generator().manual_seed(7)
+    E, H, F = 4, 40, 24
+    for case, kind, rank, (on_fc1, on_fc2) in LORA_CASES:
+        config = _make_config(num_experts=E, hidden=H, ffn=F, **case)
+        width = F * (2 if config.gated_linear_unit else 1)
+        counts = torch.randint(1, 60, (E,), generator=gen)
+        counts[int(torch.randint(0, E, (1,), generator=gen))] = 0  # a zero-token expert
+        for splits in (counts.tolist(), [0] * E):
+            rows = sum(splits)
+            offs = torch.tensor(splits).cumsum(0).int()
+            w1 = (torch.randn(E, width, H, generator=gen) * 0.2).bfloat16()
+            w2 = (torch.randn(E, H, F, generator=gen) * 0.2).bfloat16()
+            a1, b1 = _lora_factors(kind, E, H, width, rank, gen)
+            a2, b2 = _lora_factors(kind, E, F, H, rank, gen)
+            scale = 16.0 / rank
+            terms = (LoRATerm(a1, b1, scale) if on_fc1 else None,
+                     LoRATerm(a2, b2, scale) if on_fc2 else None)
+            x = torch.randn(rows, H, generator=gen).bfloat16().requires_grad_(True)
+            probs = torch.rand(rows, generator=gen).requires_grad_(True)
+            grad = torch.randn(rows, H, generator=gen).bfloat16()
+            leaves = (x, probs, a1, b1, a2, b2)
+
+            def run():
+                for leaf in leaves:
+                    leaf.grad = None
+                out = fused_experts(config, x, probs, w1, w2, offs, gmm, *terms)
+                out.backward(grad)
+                return [out.detach()] + [None if leaf.grad is None else leaf.grad.clone()
+                                         for leaf in leaves]
+
+            first, second = run(), run()
+            assert all(f is s is None or torch.equal(f, s) for f, s in zip(first, second))
+            with torch.no_grad():  # the logprob pass: the same kernels, no fc1 output saved
+                assert torch.equal(fused_experts(config, x, probs, w1, w2, offs, gmm, *terms),
+                                   first[0])
+            out, *grads = first
+            assert out.shape == (rows, H) and grads[0].shape == (rows, H)
+            for on, factors in ((on_fc1, (2, 3)), (on_fc2, (4, 5))):
+                for i in factors:
+                    assert (grads[i] is not None) == on, (case, kind, i)
+            if rows == 0:
+                assert all(g is None or not g.any() for g in grads[2:])
+                continue
+            ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+            x64, p64, a1_64, b1_64, a2_64, b2_64 = ref_leaves
+            fc1 = _fp64_effective(w1, a1_64, b1_64, scale) if on_fc1 else w1
+            fc2 = _fp64_effective(w2, a2_64, b2_64, scale) if on_fc2 else w2
+            ref = fp64_experts(config, fc1, fc2, x64, splits, p64)
+            ref.backward(grad.double())
+            errors = {name: rel_err(got, want.grad if want is not ref else want)
+                      for name, got, want in zip(("out", "x", "probs", "a1", "b1", "a2", "b2"),
+                                                 [out, *grads], [ref, *ref_leaves])
+                      if got is not None}
+            # the interpreter truncates to bf16 where the GPU rounds: 2e-2, not 1e-2
+            assert max(errors.values()) < 2e-2, (case, kind, splits, errors)
+            if kind == "per_expert":
+                idle = splits.index(0)
+                for g in grads[2:]:
+                    assert g is None or not g[idle].any(), (case, splits)
+
+
+def _forward_backward(experts, x, splits, probs, grad):
+    params = [p for p in experts.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    xk, pk = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+    out, _ = experts(xk, splits, pk)
+    out.backward(grad)
+    return [out.detach(), xk.grad, pk.grad] + [p.grad.clone() for p in params]
+
+
+@pytest.mark.triton_interpreter
+@pytest.mark.parametrize("kind", ["shared", "per_expert"])
+def test_torch_grouped_mlp_fused_gemm_with_adapters_matches_grouped_mm(megatron_cpu, kind,
+                                                                        monkeypatch):
+    """TorchGroupedMLP with our LoRA adapters on linear_fc1 and linear_fc2 (apply_lora's
+    wrappers, B made non-zero), forced onto "fused_gemm", against the same module on
+    "grouped_mm" (the adapters called as modules): output, input and probs gradients, every
+    adapter factor's gradient; the fused call runs the kernels (never the adapters' forward)."""
+    pytest.importorskip("triton", reason="triton is not installed: the fused kernels are untested")
+    if not hasattr(torch.nn.functional, "grouped_mm"):
+        pytest.skip("this torch has no CPU grouped_mm for fc2 and fc1's input gradient")
+    if torch.cuda.is_available():
+        pytest.skip("on a CUDA host the kernels run compiled, on the GPU (tests/test_gpu.py)")
+    from mcore_torch_experts import fused_experts_triton
+    from mcore_torch_experts.lora import lora_parameters
+
+    torch.manual_seed(3)
+    config = make_config(activation="squared_relu", glu=False, num_experts=4, hidden=40, ffn=24,
+                         moe_expert_kernel="fused_gemm")
+    experts = TorchGroupedMLP(config.num_moe_experts, config, pg_collection=megatron_cpu)
+    experts.requires_grad_(False)
+    for linear in ("linear_fc1", "linear_fc2"):
+        base = getattr(experts, linear)
+        setattr(experts, linear, LoRALinear(base, _adapter(kind, base, rank=8)))
+    with torch.no_grad():
+        for name, p in lora_parameters(experts).items():
+            p.normal_(std=0.3)  # B starts at zero
+    splits = [13, 0, 41, 6]
+    rows = sum(splits)
+    x = torch.randn(rows, 40).bfloat16()
+    probs = torch.rand(rows)
+    grad = torch.randn(rows, 40).bfloat16()
+    calls = []
+    real = fused_experts_triton.fused_experts
+    monkeypatch.setattr(fused_experts_triton, "fused_experts",
+                        lambda *args: calls.append(args[7:]) or real(*args))
+    adapter_calls = []
+    for linear in (experts.linear_fc1, experts.linear_fc2):
+        monkeypatch.setattr(linear.adapter, "forward", lambda *a, f=linear.adapter.forward:
+                            adapter_calls.append(1) or f(*a))
+    fused = _forward_backward(experts, x, splits, probs, grad)
+    assert len(calls) == 1 and all(t is not None for t in calls[0]) and not adapter_calls
+    assert torch.equal(_forward_backward(experts, x, splits, probs, grad)[0], fused[0])
+    experts.expert_kernel_setting = experts.expert_kernel_impl = "grouped_mm"
+    reference = _forward_backward(experts, x, splits, probs, grad)
+    assert len(calls) == 2 and adapter_calls  # the grouped_mm path calls the adapters
+    assert len(fused) == len(reference) == 7
+    errors = [rel_err(f, r) for f, r in zip(fused, reference)]
+    assert max(errors) < 2e-2, errors
+    # Frozen adapters (a reference model, say): the same kernels, the input gradient unchanged.
+    experts.expert_kernel_setting = experts.expert_kernel_impl = "fused_gemm"
+    for p in lora_parameters(experts).values():
+        p.requires_grad_(False)
+    frozen = _forward_backward(experts, x, splits, probs, grad)
+    assert len(frozen) == 3 and len(calls) == 3
+    assert all(torch.equal(a, b) for a, b in zip(frozen, fused[:3]))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mcore_torch_experts import TorchGroupedMLP
-from mcore_torch_experts.lora import LoRALinear, PerExpertLoRAAdapter
+from mcore_torch_experts.lora import LoRAAdapter, LoRALinear, PerExpertLoRAAdapter
 from reference import copy_weights_to_sequential, fp64_experts, make_config, rel_err, sequential_mlp
 
 pytestmark = [pytest.mark.gpu,
@@ -246,36 +246,136 @@ def test_fused_gemm_no_sync_and_cuda_graph(megatron_world):
     assert torch.equal(g_out, eager_out) and torch.equal(g_grad, eager_grad)
 
 
-def test_fused_gemm_forced_refuses_adapters(megatron_world):
-    """A forced fused path never skips an adapter: a LoRA-wrapped linear_fc1 raises; "auto" takes
-    the grouped_mm path there, which adds the adapter (FP64: fc1's weight plus alpha / rank x B A
-    per expert)."""
-    config, experts, _ = build_pair(megatron_world, activation="silu", glu=True)
-    fc1, fc2 = experts.linear_fc1.packed_weight, experts.linear_fc2.packed_weight
-    rank, alpha = 8, 16.0
-    adapter = PerExpertLoRAAdapter(EXPERTS, HIDDEN, 2 * FFN, rank, alpha, 0.0, torch.bfloat16,
-                                   "cuda")
-    with torch.no_grad():
-        adapter.linear_out.weight.normal_(std=0.02)  # B starts at zero
-    splits = SPLITS["skewed"]
+def _install_lora(experts, kind, rank=16, alpha=32.0, dropout=0.0):
+    """Our LoRALinear on linear_fc1 and linear_fc2, B drawn non-zero; the adapters."""
+    adapters = []
+    for name in ("linear_fc1", "linear_fc2"):
+        base = getattr(experts, name)
+        if kind == "shared":
+            adapter = LoRAAdapter(base.in_features, base.out_features, rank, alpha, dropout,
+                                  torch.bfloat16, "cuda")
+        else:
+            adapter = PerExpertLoRAAdapter(EXPERTS, base.in_features, base.out_features, rank,
+                                           alpha, dropout, torch.bfloat16, "cuda")
+        with torch.no_grad():
+            adapter.linear_out.weight.normal_(std=0.05)  # B starts at zero
+        setattr(experts, name, LoRALinear(base, adapter))
+        adapters.append(adapter)
+    return adapters
+
+
+def _update_pass(experts, adapters, x, splits, probs, grad_out):
+    xk, pk = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+    params = [p for adapter in adapters for p in (adapter.linear_in.weight,
+                                                  adapter.linear_out.weight)]
+    out, _ = experts(xk, splits, pk)
+    grads = torch.autograd.grad(out, [xk, pk, *params], grad_out)
+    return [out, *grads]
+
+
+@pytest.mark.parametrize("kind", ["shared", "per_expert"])
+@pytest.mark.parametrize("case", ["squared_relu", "swiglu"])
+@pytest.mark.parametrize("splits_name", ["skewed", "zero_first_middle_last", "empty"])
+def test_fused_gemm_with_adapters_matches_fp64_and_grouped_mm(megatron_world, kind, case,
+                                                              splits_name):
+    """Our LoRA adapters on both expert linears in the fused kernels (forced), against the FP64
+    loop with weight + alpha / rank x B A per expert and against grouped_mm + adapters: output,
+    input and probs gradients, every adapter factor's gradient; the logprob pass (no grad) gives
+    the update pass's output bit for bit, and a second update pass repeats the first."""
+    config, experts, _ = build_pair(megatron_world, **FUSED_CASES[case])
+    w1, w2 = experts.linear_fc1.packed_weight, experts.linear_fc2.packed_weight
+    adapters = _install_lora(experts, kind)
+    splits = SPLITS.get(splits_name, [0] * EXPERTS)
     rows = sum(splits)
     x = torch.randn(rows, HIDDEN, device="cuda").bfloat16()
     probs = torch.rand(rows, device="cuda")
+    grad_out = torch.randn(rows, HIDDEN, device="cuda").bfloat16()
     device_splits = torch.tensor(splits, device="cuda")
-    _with_kernel(experts, "grouped_mm")
-    without_adapter, _ = experts(x, device_splits, probs)
-    experts.linear_fc1 = LoRALinear(experts.linear_fc1, adapter)
     _with_kernel(experts, "fused_gemm")
-    with pytest.raises(RuntimeError, match="carry adapters or hooks"):
-        experts(x, device_splits, probs)
+    fused = _update_pass(experts, adapters, x, device_splits, probs, grad_out)
+    again = _update_pass(experts, adapters, x, device_splits, probs, grad_out)
+    assert all(torch.equal(a, b) for a, b in zip(fused, again))
+    with torch.no_grad():
+        assert torch.equal(experts(x, device_splits, probs)[0], fused[0])
+    _with_kernel(experts, "grouped_mm")
+    grouped = _update_pass(experts, adapters, x, device_splits, probs, grad_out)
+    if rows == 0:
+        assert fused[0].shape == (0, HIDDEN)
+        assert all(not g.any() for g in fused[3:])
+        return
+    x64 = x.double().requires_grad_(True)
+    p64 = probs.double().requires_grad_(True)
+    factors = [t.detach().double().requires_grad_(True) for adapter in adapters
+               for t in (adapter.linear_in.weight, adapter.linear_out.weight)]
+    a1, b1, a2, b2 = factors
+    scale = adapters[0].scale
+    ref = fp64_experts(config, w1.double() + scale * (b1 @ a1), w2.double() + scale * (b2 @ a2),
+                       x64, splits, p64, clamp_on_bf16=True)
+    ref.backward(grad_out.double())
+    want = [ref, x64.grad, p64.grad, *(f.grad for f in factors)]
+    names = ("out", "grad_x", "grad_p", "grad_a1", "grad_b1", "grad_a2", "grad_b2")
+    errors = {f"{name}_{path}": rel_err(got, ref_value)
+              for path, results in (("fused", fused), ("grouped_mm", grouped))
+              for name, got, ref_value in zip(names, results, want)}
+    print(f"\n[cuda fused gemm + LoRA] {kind} {case} {splits_name}: "
+          + " ".join(f"{k}={v:.2e}" for k, v in errors.items()))
+    assert max(v for k, v in errors.items() if k.endswith("_fused")) < 1e-2, errors
+    for got, other in zip(fused, grouped):
+        assert rel_err(got, other) < 1e-2
+
+
+def test_fused_gemm_with_adapters_no_sync_and_cuda_graph(megatron_world):
+    """Per-expert adapters on the fused path: no host sync with device splits, and a CUDA graph
+    of the update pass replays the eager result bit for bit after other splits are copied in."""
+    _, experts, _ = build_pair(megatron_world, activation="squared_relu", glu=False)
+    adapters = _install_lora(experts, "per_expert")
+    _with_kernel(experts, "fused_gemm")
+    rows = sum(SPLITS["uniform"])
+    static = [torch.randn(rows, HIDDEN, device="cuda").bfloat16(),
+              torch.tensor(SPLITS["uniform"], device="cuda"), torch.rand(rows, device="cuda"),
+              torch.randn(rows, HIDDEN, device="cuda").bfloat16()]
+
+    def step():
+        return _update_pass(experts, adapters, static[0], static[1], static[2], static[3])
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    static[1].copy_(torch.tensor(SPLITS["zero_first_middle_last"], device="cuda"))
+    graph.replay()
+    eager = step()
+    assert all(torch.equal(g, e) for g, e in zip(captured, eager))
+
+
+def test_adapters_with_dropout_stay_on_grouped_mm(megatron_world):
+    """An adapter the kernels cannot compute (dropout): a forced fused_gemm refuses, naming it;
+    "auto" takes grouped_mm, where the adapter runs as a module (its forward is called)."""
+    _, experts, _ = build_pair(megatron_world, activation="squared_relu", glu=False)
+    adapters = _install_lora(experts, "shared", dropout=0.1)
+    splits = torch.tensor(SPLITS["skewed"], device="cuda")
+    rows = sum(SPLITS["skewed"])
+    x = torch.randn(rows, HIDDEN, device="cuda").bfloat16()
+    probs = torch.rand(rows, device="cuda")
+    _with_kernel(experts, "fused_gemm")
+    with pytest.raises(RuntimeError, match="carry adapters or hooks.*has dropout 0.1"):
+        experts(x, splits, probs)
     experts.expert_kernel_setting = "auto"
-    out, _ = experts(x, device_splits, probs)
-    a, b = (factor.weight.detach().double() for factor in (adapter.linear_in, adapter.linear_out))
-    ref = fp64_experts(config, fc1.double() + b @ a * (alpha / rank), fc2, x, splits, probs)
-    print(f"\n[cuda fused gemm, adapter] auto vs fp64={rel_err(out, ref):.2e} "
-          f"without adapter vs fp64={rel_err(without_adapter, ref):.2e}")
-    assert rel_err(out, ref) < 1e-2
-    assert rel_err(without_adapter, ref) > 0.1
+    calls = []
+    adapters[0].forward = lambda *args, f=adapters[0].forward: calls.append(1) or f(*args)
+    experts(x, splits, probs)
+    assert calls
 
 
 def test_auto_kernel_choice(megatron_world):
@@ -286,3 +386,29 @@ def test_auto_kernel_choice(megatron_world):
     _, swiglu, _ = build_pair(megatron_world, activation="silu", glu=True)
     assert sq_relu.expert_kernel_impl == ("fused_gemm" if sm90 else "grouped_mm")
     assert swiglu.expert_kernel_impl == "grouped_mm"
+
+
+@pytest.mark.parametrize("kind", ["shared", "per_expert"])
+def test_auto_kernel_choice_with_our_adapters(megatron_world, monkeypatch, kind):
+    """Our adapters on the experts change nothing in the choice: "auto" runs the fused kernels
+    (with the adapters in them) exactly where it does without adapters, in the update pass and
+    in the logprob pass."""
+    from mcore_torch_experts import fused_experts_triton
+
+    sm90 = torch.cuda.get_device_capability() == (9, 0)
+    real, calls = fused_experts_triton.fused_experts, []
+    monkeypatch.setattr(fused_experts_triton, "fused_experts",
+                        lambda *args: calls.append(args[7:]) or real(*args))
+    for case, fused_here in (("squared_relu", sm90), ("swiglu", False)):
+        _, experts, _ = build_pair(megatron_world, **FUSED_CASES[case])
+        adapters = _install_lora(experts, kind)
+        splits = torch.tensor(SPLITS["skewed"], device="cuda")
+        rows = sum(SPLITS["skewed"])
+        x = torch.randn(rows, HIDDEN, device="cuda").bfloat16()
+        probs = torch.rand(rows, device="cuda")
+        calls.clear()
+        _update_pass(experts, adapters, x, splits, probs, torch.randn_like(x))
+        with torch.no_grad():
+            experts(x, splits, probs)
+        assert len(calls) == (2 if fused_here else 0), case
+        assert all(term is not None for args in calls for term in args)
