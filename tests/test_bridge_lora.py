@@ -474,8 +474,8 @@ def test_merge_refuses_a_wrapper_passed_as_the_root_and_changes_nothing(bridge, 
     with torch.no_grad():
         before, _ = root.mlp.experts(x, splits, probs)
     for given in (wrapper, [wrapper]):
-        with pytest.raises(ValueError, match=r"merge_bridge_lora: the model passed in is itself a "
-                                             r"LoRA wrapper .*pass the module that holds it"):
+        with pytest.raises(ValueError, match=r"nothing was merged:\n  the model passed in is "
+                                             r"itself a LoRA wrapper .*pass the module that holds it"):
             merge_bridge_lora(given)
         assert torch.equal(wrapper.to_wrap.packed_weight, packed)
         assert root.mlp.experts.linear_fc1 is wrapper
@@ -495,8 +495,8 @@ def test_merge_refuses_a_disabled_adapter_and_changes_nothing(bridge, megatron_c
     wrappers = [root.mlp.experts.linear_fc1, root.mlp.experts.linear_fc2]
     packed = [wrapper.to_wrap.packed_weight.clone() for wrapper in wrappers]
     wrappers[1].disable_adapter_layers()
-    with pytest.raises(ValueError, match=r"merge_bridge_lora: mlp\.experts\.linear_fc2's adapter is "
-                                         r"disabled .*nothing was merged\. Enable the adapters"):
+    with pytest.raises(ValueError, match=r"nothing was merged:\n  mlp\.experts\.linear_fc2's "
+                                         r"adapter is disabled .* Enable the adapters"):
         merge_bridge_lora(root)
     assert root.mlp.experts.linear_fc1 is wrappers[0] and root.mlp.experts.linear_fc2 is wrappers[1]
     assert all(torch.equal(wrapper.to_wrap.packed_weight, weights)
