@@ -22,7 +22,9 @@ needs_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None,
 
 WORKER = Path(__file__).with_name("hf_bridge_lora_worker.py")
 LAYOUTS = ["shared", "per_expert", "shared_outer", "per_expert_normalized"]
-EXPERT_LINEARS = [f"decoder.layers.{i}.mlp.experts.linear_fc{j}" for i in (0, 1) for j in (1, 2)]
+ALL_LINEARS = [f"decoder.layers.{i}.{name}" for i in (0, 1) for name in (
+    "self_attention.linear_proj", "self_attention.linear_qkv", "mlp.experts.linear_fc1",
+    "mlp.experts.linear_fc2")]
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +76,37 @@ def test_normalized_rank_hf_peft_adapter_is_the_hf_side_s_limit(exported):
 def test_merged_exports_reproduce_the_megatron_logits(exported, layout):
     result = exported[layout]
     assert result["bridge_merged_hf_logits_max_abs"] < 1e-5  # Bridge merges while exporting
-    assert result["merged"] == EXPERT_LINEARS
+    assert result["merged"] == ALL_LINEARS  # attention adapters too
     assert result["merged_megatron_logits_max_abs"] < 1e-5
     assert result["merged_hf_logits_max_abs"] < 1e-5
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_merged_bridge_checkpoint_reloads_the_trained_model(exported, layout):
+    """The docs' LoRA (attention and experts) trained, `merge_bridge_lora`, Bridge's
+    save_megatron_model, Bridge's load_megatron_model: the trained logits (FP32), not the
+    untrained ones."""
+    result = exported[layout]
+    assert result["merged_reloaded_logits_max_abs"] < 1e-5
+    assert result["merged_reloaded_vs_untrained_max_abs"] > 0.1
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "not yet working on this host: Bridge's load_checkpoint of the adapter-only checkpoint "
+    "(PEFT resume) raises AttributeError: 'NoneType' object has no attribute 'update', not yet "
+    "traced; the adapter-only save itself completes"))
+@pytest.mark.parametrize("layout", ["shared", "per_expert", "per_expert_normalized"])
+def test_adapter_only_bridge_checkpoint_resumes_the_trained_model(exported, layout):
+    """Bridge's finetune route: save_checkpoint with cfg.peft (adapter states only); a fresh
+    model from the pretrained checkpoint, the same LoRA applied, load_checkpoint: the trained
+    logits."""
+    result = exported[layout]
+    assert result.get("adapters_resumed_error") is None, result.get("adapters_resumed_error")
+    assert result["adapters_resumed_logits_max_abs"] < 1e-5
+    assert result["adapters_resumed_vs_untrained_max_abs"] > 0.1
+
+
+def test_shared_outer_adapter_checkpoint_is_bridge_s_own_limit(exported):
+    assert exported["shared_outer"]["adapters_resumed_error"] == (
+        "TypeError: _make_grouped_expert_sharded_tensor() missing 1 required keyword-only "
+        "argument: 'pg_collection'")
