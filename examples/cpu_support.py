@@ -354,16 +354,20 @@ def import_megatron_bridge_checkpointing():
     """Import Megatron-Bridge's checkpointing (`training.model_load_save`: save_megatron_model,
     load_model_config, load_megatron_model; `training.checkpointing`: save_checkpoint,
     load_checkpoint; `training.setup`: finetune's PEFT pre-wrap hook) on a host without
-    nvidia-modelopt or Hugging Face `datasets`, after `import_megatron_bridge()`.
+    nvidia-modelopt, Hugging Face `datasets`, Megatron-Energon or tensorboard, after
+    `import_megatron_bridge()`.
 
-    Bridge imports both unconditionally: `training.config` pulls in its SFT dataset builders
+    Bridge imports them unconditionally: `training.config` pulls in its SFT dataset builders
     (`import datasets`, `from datasets import load_dataset`), `training.checkpointing` imports
     `save_modelopt_state`, `save_sharded_modelopt_state` and `restore_modelopt_state` from
-    `modelopt.torch.opt.plugins` and calls them on every save and load, and
-    `training.post_training.checkpointing` imports `modelopt.torch.opt`. Where a package is
+    `modelopt.torch.opt.plugins` and calls them on every save and load,
+    `training.post_training.checkpointing` imports `modelopt.torch.opt`, the data builders
+    import Megatron-Energon (`megatron.energon`, multimodal loaders) and `training.state` imports
+    tensorboard's `SummaryWriter` (made only with a `logger.tensorboard_dir`). Where a package is
     missing, a stand-in is visible while these modules are imported and removed right after
     (as the Transformer Engine stand-in of `import_megatron_bridge`). What the modules bound
-    stays: the dataset functions raise if called (no dataset is loaded here); the ModelOpt
+    stays: the dataset functions raise if called (no dataset is loaded here), the Energon and
+    SummaryWriter names are classes nothing is an instance of and nothing makes; the ModelOpt
     functions do what ModelOpt does for a model it never converted (no quantizer, no
     distillation): add nothing to the checkpoint and restore nothing. Installed packages are
     used as they are."""

@@ -2,13 +2,20 @@
 stand-in, see examples/cpu_support.import_megatron_bridge, that must not reach other tests).
 
 For each expert-adapter layout of Megatron-Bridge's LoRA: imports a tiny HF Qwen3-MoE checkpoint
-with Megatron-Bridge into TorchGroupedMLP experts, applies Bridge's LoRA to attention and experts,
-trains it a few steps, and exports the adapters three ways, each compared with the Megatron
-logits with adapters live:
+with Megatron-Bridge into TorchGroupedMLP experts (saved with save_megatron_model as the
+finetune's pretrained checkpoint), applies Bridge's LoRA to the docs' four targets (the
+per-expert layout with docs/enable.md's bridge-peft snippet), trains it a few steps, then:
+- adapters kept: Bridge's save_checkpoint with cfg.peft (snippet bridge-peft-checkpoints), a
+  fresh model through Bridge's PEFT pre-wrap hook, load_checkpoint;
+- save_megatron_model with the adapters live, load_megatron_model (what the routes are for);
+- merged: snippet bridge-save-merged (merge_bridge_lora, save_megatron_model), then
+  load_megatron_model;
+and exports the adapters three ways, each compared with the Megatron logits with adapters
+live:
 - as a Hugging Face PEFT adapter (`bridge.save_hf_adapter`), run with the `peft` library over the
   original checkpoint (when `peft` is installed);
 - merged into the base weights by Bridge's own export (`export_hf_weights`);
-- folded into the packed expert weights by `merge_bridge_lora`, then exported.
+- folded into the weights by `merge_bridge_lora`, then exported.
 Writes what it measured (or the error each step raised) as JSON to argv[2].
 
     python tests/hf_bridge_lora_worker.py OUT_DIR RESULT_JSON

@@ -604,6 +604,32 @@ def test_merge_refuses_expert_tensor_parallelism_and_changes_nothing(bridge, meg
         merge_bridge_lora(model)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items() if k in state)
 
+
+@pytest.mark.distributed
+def test_merge_folds_tensor_parallel_dense_adapters(bridge, tmp_path):
+    """TP=2 on two gloo processes (tests/distributed/bridge_merge_tensor_parallel.py): Bridge's
+    LoRA on a column-parallel linear_qkv (A sharded) and a row-parallel linear_proj (B sharded)
+    with random factors; after merge_bridge_lora each rank's weight is its shard of the FP64 fold
+    of the gathered factors, and the output is the one with the adapters live."""
+    import json
+
+    from torchrun_support import ROOT, torchrun
+
+    run = torchrun(ROOT / "tests" / "distributed" / "bridge_merge_tensor_parallel.py", 2, [],
+                   tmp_path / "torchrun.log", timeout_s=240)
+    assert run.returncode == 0, run.output[-4000:]
+    reports = json.loads(next(line for line in reversed(run.output.splitlines())
+                              if line.startswith("[{")))
+    assert [report["rank"] for report in reports] == [0, 1]
+    for report in reports:
+        assert report["merged"] == ["self_attention.linear_qkv", "self_attention.linear_proj"]
+        assert report["unwrapped"] == ["ColumnParallelLinear", "RowParallelLinear"]
+        assert report["linear_qkv_factor_shapes"] == {"A": [2, 16], "B": [12, 4]}  # A sharded
+        assert report["linear_proj_factor_shapes"] == {"A": [4, 12], "B": [8, 4]}  # B sharded
+        assert report["linear_qkv_weight"] < 1e-6 and report["linear_proj_weight"] < 1e-6
+        assert report["linear_qkv_change"] > 0.1 and report["linear_proj_change"] > 0.1
+        assert report["output"] < 1e-6
+
 # --- Bridge's per-expert adapters: one grouped GEMM per projection ------------------------------
 
 

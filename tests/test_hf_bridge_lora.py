@@ -2,7 +2,11 @@
 AutoBridge, exported the ways Bridge offers: as a Hugging Face PEFT adapter
 (`AutoBridge.save_hf_adapter`, run with the `peft` library over the original checkpoint) and
 merged into the weights (`export_hf_weights`, and `merge_bridge_lora` then export); transformers
-must reproduce the Megatron logits with the adapters live (FP32). Runs in a subprocess
+must reproduce the Megatron logits with the adapters live (FP32). Saved and reloaded with
+Bridge's own checkpointing (docs/enable.md, "Saving and reloading trained Bridge adapters"):
+merged (`merge_bridge_lora`, save_megatron_model, load_megatron_model) and adapters kept
+(save_checkpoint with cfg.peft, the PEFT pre-wrap hook, load_checkpoint) give the trained
+logits; without either, the untrained ones. Runs in a subprocess
 (hf_bridge_lora_worker.py): Bridge's import needs a Transformer Engine stand-in on hosts without
 TE."""
 
