@@ -348,7 +348,7 @@ def _expert_factors(adapter, num_experts: int):
     raise TypeError(f"merge_bridge_lora: unknown adapter type {type(adapter).__name__}")
 
 
-def _merge_refusal(name: str, wrapper, adapter_wrapper, lora_linear) -> str:
+def _merge_refusal(name: str, wrapper, lora_linear) -> Optional[str]:
     """Why `merge_bridge_lora` cannot fold the Bridge adapter wrapper at `name` (None when it can)."""
     if not name:
         return (f"the model passed in is itself a LoRA wrapper (of {type(wrapper.to_wrap).__name__}), "
@@ -416,7 +416,7 @@ def merge_bridge_lora(model) -> List[str]:
     found = [(chunk, name, m) for chunk in chunks for name, m in chunk.named_modules()
              if isinstance(m, AdapterWrapper)]
     refused = [reason for _, name, wrapper in found
-               if (reason := _merge_refusal(name, wrapper, AdapterWrapper, LoRALinear)) is not None]
+               if (reason := _merge_refusal(name, wrapper, LoRALinear)) is not None]
     if refused:
         raise ValueError(f"merge_bridge_lora: {len(refused)} adapter(s) cannot be merged; nothing "
                          "was merged:\n  " + "\n  ".join(refused))
