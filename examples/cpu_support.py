@@ -341,3 +341,79 @@ def megatron_lm_patches() -> list:
               "it runs `make` in megatron/core/datasets, whose Makefile is in a Megatron-LM "
               "checkout but not in the megatron-core wheel; the wheel ships the compiled helpers"),
     ]
+
+
+
+BRIDGE_CHECKPOINTING = ("megatron.bridge.training.model_load_save",
+                        "megatron.bridge.training.checkpointing",
+                        "megatron.bridge.training.post_training.checkpointing",
+                        "megatron.bridge.training.setup")
+
+
+def import_megatron_bridge_checkpointing():
+    """Import Megatron-Bridge's checkpointing (`training.model_load_save`: save_megatron_model,
+    load_model_config, load_megatron_model; `training.checkpointing`: save_checkpoint,
+    load_checkpoint; `training.setup`: finetune's PEFT pre-wrap hook) on a host without
+    nvidia-modelopt, Hugging Face `datasets`, Megatron-Energon or tensorboard, after
+    `import_megatron_bridge()`.
+
+    Bridge imports them unconditionally: `training.config` pulls in its SFT dataset builders
+    (`import datasets`, `from datasets import load_dataset`), `training.checkpointing` imports
+    `save_modelopt_state`, `save_sharded_modelopt_state` and `restore_modelopt_state` from
+    `modelopt.torch.opt.plugins` and calls them on every save and load,
+    `training.post_training.checkpointing` imports `modelopt.torch.opt`, the data builders
+    import Megatron-Energon (`megatron.energon`, multimodal loaders) and `training.state` imports
+    tensorboard's `SummaryWriter` (made only with a `logger.tensorboard_dir`). Where a package is
+    missing, a stand-in is visible while these modules are imported and removed right after
+    (as the Transformer Engine stand-in of `import_megatron_bridge`). What the modules bound
+    stays: the dataset functions raise if called (no dataset is loaded here), the Energon and
+    SummaryWriter names are classes nothing is an instance of and nothing makes; the ModelOpt
+    functions do what ModelOpt does for a model it never converted (no quantizer, no
+    distillation): add nothing to the checkpoint and restore nothing. Installed packages are
+    used as they are."""
+    import importlib
+    import importlib.util
+
+    stand_ins = {}
+    if importlib.util.find_spec("datasets") is None:
+        def no_datasets(*args, **kwargs):
+            raise ModuleNotFoundError("Hugging Face `datasets` is not installed (a stand-in let "
+                                      "Megatron-Bridge's training modules import)")
+        data = types.ModuleType("datasets")
+        data.builder = types.SimpleNamespace()
+        data.utils = types.SimpleNamespace()
+        data.load_dataset = data.concatenate_datasets = no_datasets
+        stand_ins["datasets"] = data
+    if importlib.util.find_spec("modelopt") is None:
+        names = ("modelopt", "modelopt.torch", "modelopt.torch.opt", "modelopt.torch.opt.plugins",
+                 "modelopt.torch.opt.plugins.mcore_dist_checkpointing")
+        modules = {name: types.ModuleType(name) for name in names}
+        for parent, child in zip(names, names[1:]):
+            setattr(modules[parent], child.rpartition(".")[2], modules[child])
+        for module in modules.values():
+            module.__path__ = []
+        modules["modelopt"].__version__ = "0+stand-in"
+        opt, plugins = modules["modelopt.torch.opt"], modules["modelopt.torch.opt.plugins"]
+        opt.ModeloptStateManager = types.SimpleNamespace(is_converted=lambda *args, **kwargs: False)
+        plugins.save_modelopt_state = lambda *args, **kwargs: None
+        plugins.save_sharded_modelopt_state = lambda *args, **kwargs: None
+        plugins.restore_modelopt_state = lambda *args, **kwargs: None
+        modules[names[-1]]._load_extra_state_from_sharded_checkpoint = lambda *args, **kwargs: None
+        stand_ins.update(modules)
+    if importlib.util.find_spec("megatron.energon") is None:
+        energon = types.ModuleType("megatron.energon")
+        energon.__path__ = []
+        energon.__getattr__ = lambda name: type(name, (), {})  # classes nothing is an instance of
+        stand_ins["megatron.energon"] = energon
+    if importlib.util.find_spec("tensorboard") is None:
+        writer = types.ModuleType("torch.utils.tensorboard.writer")
+        writer.SummaryWriter = type("SummaryWriter", (), {})  # never made: no tensorboard_dir
+        stand_ins["torch.utils.tensorboard.writer"] = writer
+    sys.modules.update(stand_ins)
+    try:
+        for name in BRIDGE_CHECKPOINTING:
+            importlib.import_module(name)
+    finally:
+        for name in stand_ins:
+            sys.modules.pop(name, None)
+    return [sys.modules[name] for name in BRIDGE_CHECKPOINTING]

@@ -348,54 +348,83 @@ def _expert_factors(adapter, num_experts: int):
     raise TypeError(f"merge_bridge_lora: unknown adapter type {type(adapter).__name__}")
 
 
-def merge_bridge_lora(model) -> List[str]:
-    """Fold Bridge LoRA adapters on TorchGroupedLinear experts into their packed weights with
-    Bridge's `LoRAMerge` (W_e + alpha/r * B_e @ A_e, computed in FP32) and unwrap them; return the
-    merged module names.
+def _merge_refusal(name: str, wrapper, lora_linear) -> Optional[str]:
+    """Why `merge_bridge_lora` cannot fold the Bridge adapter wrapper at `name` (None when it can)."""
+    if not name:
+        return (f"the model passed in is itself a LoRA wrapper (of {type(wrapper.to_wrap).__name__}), "
+                "which cannot be replaced by its base where the caller holds it: pass the module "
+                "that holds it, or the whole model")
+    if not isinstance(wrapper, lora_linear):
+        return (f"{name} is a {type(wrapper).__name__} (Bridge's CanonicalLoRA, DoRA or router "
+                "LoRA), which merge_bridge_lora does not fold: use Bridge's LoRA, or keep the "
+                "adapters unmerged (save them and apply the same PEFT before loading)")
+    if not wrapper._adapter_enabled:
+        return (f"{name}'s adapter is disabled (Bridge's disable_adapter_layers), so the model "
+                "computes without it and merging would change that. Enable the adapters to merge "
+                "them (the PEFT's enable_adapter_layers(model), or the wrapper's "
+                "enable_adapter_layers()), or put the wrapper's `to_wrap` in its place to drop "
+                "the adapter unmerged")
+    if not isinstance(wrapper.adapter.activation, torch.nn.Identity):
+        return (f"{name}'s adapter has a {type(wrapper.adapter.activation).__name__} activation; "
+                "only LoRA (identity activation) merges")
+    base = wrapper.to_wrap
+    if isinstance(base, TorchGroupedLinear):
+        if get_pg_size(base._pg_collection.expt_tp) > 1:
+            return (f"{name} has expert tensor parallelism > 1 (expert_tensor_parallel_size); "
+                    "merge on a model loaded with expert_tensor_parallel_size=1")
+    elif not (isinstance(getattr(base, "weight", None), torch.Tensor) and base.weight.dim() == 2):
+        return (f"{name} wraps a {type(base).__name__} without one 2-D `.weight`; "
+                "merge_bridge_lora folds adapters on TorchGroupedLinear experts and on linears "
+                "with one weight matrix")
+    return None
 
-    `model` is a module or a list of model chunks. The packed buffer is written in place, so every
-    `weightN` stays a view of it. Refused, before anything changes, for expert tensor parallelism
-    above 1, for adapters that are not plain LoRA (a non-identity activation), for adapters Bridge
-    has disabled (`disable_adapter_layers`: the model computes without them) and for a wrapper
-    passed as `model` (or as a chunk) itself.
-    """
-    from megatron.bridge.peft.lora_layers import LoRALinear
+
+def _merged_weight(wrapper):
+    """The wrapper's base weight with its LoRA folded in by Bridge's `LoRAMerge` (FP32 math):
+    [E, out, in] packed for TorchGroupedLinear, else the linear's [out, in]."""
     from megatron.bridge.peft.lora_merge import LoRAMerge
+
+    base, adapter = wrapper.to_wrap, wrapper.adapter
+    if isinstance(base, TorchGroupedLinear):
+        a, b = _expert_factors(adapter, base.num_experts)
+        weights = base.packed()
+        return torch.stack([
+            LoRAMerge().merge(weights[e].float(), b[e].float(), a[e].float(), adapter.alpha,
+                              adapter.dim, tp_group=base._pg_collection.expt_tp).to(weights.dtype)
+            for e in range(base.num_experts)])
+    return LoRAMerge().merge(base.weight.float(), adapter.linear_out.weight.float(),
+                             adapter.linear_in.weight.float(), adapter.alpha, adapter.dim,
+                             tp_group=getattr(adapter, "tp_group", None)).to(base.weight.dtype)
+
+
+def merge_bridge_lora(model) -> List[str]:
+    """Fold every Bridge LoRA adapter into its base weight with Bridge's `LoRAMerge`
+    (W + alpha/r * B @ A, in FP32) and unwrap it; return the merged module names.
+
+    `model` is a module or a list of model chunks. Expert adapters on TorchGroupedLinear go into
+    the packed buffer in place, so every `weightN` stays a view of it; dense ones (LoRALinear on
+    linear_qkv, linear_proj, dense and shared-expert linear_fc1/fc2, Transformer Engine or local
+    linears, any tensor parallelism Bridge's merge gathers over) into the linear's `.weight`.
+    Every wrapper is checked before anything changes; refused: CanonicalLoRA, DoRA and router
+    LoRA wrappers, adapters Bridge has disabled (`disable_adapter_layers`), a non-identity
+    activation, expert tensor parallelism above 1, a wrapper passed as `model` (or a chunk).
+    """
+    from megatron.bridge.peft.adapter_wrapper import AdapterWrapper
+    from megatron.bridge.peft.lora_layers import LoRALinear
 
     chunks = model if isinstance(model, list) else [model]
     found = [(chunk, name, m) for chunk in chunks for name, m in chunk.named_modules()
-             if isinstance(m, LoRALinear) and isinstance(m.to_wrap, TorchGroupedLinear)]
-    for _, name, wrapper in found:
-        if not name:
-            raise ValueError(
-                f"merge_bridge_lora: the model passed in is itself a LoRA wrapper (of "
-                f"{wrapper.to_wrap.name}), which cannot be replaced by its base where the caller "
-                "holds it; nothing was merged: pass the module that holds it, or the whole model.")
-    merged = []
-    for _, name, wrapper in found:
-        base, adapter = wrapper.to_wrap, wrapper.adapter
-        if not wrapper._adapter_enabled:
-            raise ValueError(
-                f"merge_bridge_lora: {name}'s adapter is disabled (Bridge's "
-                "disable_adapter_layers), so the model computes without it and merging would "
-                "change that; nothing was merged. Enable the adapters to merge them (the PEFT's "
-                "enable_adapter_layers(model), or the wrapper's enable_adapter_layers()), or put "
-                "the wrapper's `to_wrap` in its place to drop the adapter unmerged.")
-        if get_pg_size(base._pg_collection.expt_tp) > 1:
-            raise NotImplementedError(f"merge_bridge_lora: {name} has expert tensor parallelism "
-                                      "> 1; merge on a model loaded with ETP=1")
-        if not isinstance(adapter.activation, torch.nn.Identity):
-            raise ValueError(f"merge_bridge_lora: {name}'s adapter has a "
-                             f"{type(adapter.activation).__name__} activation; only LoRA merges")
-        a, b = _expert_factors(adapter, base.num_experts)
-        weights = base.packed()
-        merged.append(torch.stack([
-            LoRAMerge().merge(weights[e].float(), b[e].float(), a[e].float(), adapter.alpha,
-                              adapter.dim, tp_group=base._pg_collection.expt_tp).to(weights.dtype)
-            for e in range(base.num_experts)]))
+             if isinstance(m, AdapterWrapper)]
+    refused = [reason for _, name, wrapper in found
+               if (reason := _merge_refusal(name, wrapper, LoRALinear)) is not None]
+    if refused:
+        raise ValueError(f"merge_bridge_lora: {len(refused)} adapter(s) cannot be merged; nothing "
+                         "was merged:\n  " + "\n  ".join(refused))
+    merged = [_merged_weight(wrapper) for _, _, wrapper in found]
     with torch.no_grad():
         for (chunk, name, wrapper), weights in zip(found, merged):
-            wrapper.to_wrap.packed_weight.copy_(weights)
+            base = wrapper.to_wrap
+            (base.packed_weight if isinstance(base, TorchGroupedLinear) else base.weight).copy_(weights)
             parent, _, child = name.rpartition(".")
-            setattr(chunk.get_submodule(parent), child, wrapper.to_wrap)
+            setattr(chunk.get_submodule(parent), child, base)
     return [name for _, name, _ in found]

@@ -474,8 +474,8 @@ def test_merge_refuses_a_wrapper_passed_as_the_root_and_changes_nothing(bridge, 
     with torch.no_grad():
         before, _ = root.mlp.experts(x, splits, probs)
     for given in (wrapper, [wrapper]):
-        with pytest.raises(ValueError, match=r"merge_bridge_lora: the model passed in is itself a "
-                                             r"LoRA wrapper .*pass the module that holds it"):
+        with pytest.raises(ValueError, match=r"nothing was merged:\n  the model passed in is "
+                                             r"itself a LoRA wrapper .*pass the module that holds it"):
             merge_bridge_lora(given)
         assert torch.equal(wrapper.to_wrap.packed_weight, packed)
         assert root.mlp.experts.linear_fc1 is wrapper
@@ -495,13 +495,140 @@ def test_merge_refuses_a_disabled_adapter_and_changes_nothing(bridge, megatron_c
     wrappers = [root.mlp.experts.linear_fc1, root.mlp.experts.linear_fc2]
     packed = [wrapper.to_wrap.packed_weight.clone() for wrapper in wrappers]
     wrappers[1].disable_adapter_layers()
-    with pytest.raises(ValueError, match=r"merge_bridge_lora: mlp\.experts\.linear_fc2's adapter is "
-                                         r"disabled .*nothing was merged\. Enable the adapters"):
+    with pytest.raises(ValueError, match=r"nothing was merged:\n  mlp\.experts\.linear_fc2's "
+                                         r"adapter is disabled .* Enable the adapters"):
         merge_bridge_lora(root)
     assert root.mlp.experts.linear_fc1 is wrappers[0] and root.mlp.experts.linear_fc2 is wrappers[1]
     assert all(torch.equal(wrapper.to_wrap.packed_weight, weights)
                for wrapper, weights in zip(wrappers, packed))
 
+
+
+def gpt_logits(model):
+    batch = lm_batch()
+    batch.pop("labels")
+    with torch.no_grad():
+        return model.eval()(**batch)
+
+
+@pytest.mark.parametrize("layout", ["shared", "per_expert", "shared_outer"])
+def test_merge_folds_every_adapter_of_a_gpt(bridge, megatron_cpu, layout):
+    """The docs' targets (attention and experts): every wrapper is folded, dense ones into the
+    linear's weight as an FP64 W + alpha/r * B A of the weights before, expert ones into the
+    packed buffer; the logits are those with the adapters live, and differ from the base's."""
+    from megatron.bridge.peft.adapter_wrapper import AdapterWrapper
+
+    model = gpt("torch")
+    base_logits = gpt_logits(model)
+    bridge["LoRA"](target_modules=TARGETS, dim=8, alpha=16, **LAYOUTS[layout])(model)
+    randomize_adapters(model)
+    wrappers = {n: m for n, m in model.named_modules() if isinstance(m, AdapterWrapper)}
+    folded = {}
+    for name, wrapper in wrappers.items():
+        base, adapter = wrapper.to_wrap, wrapper.adapter
+        scale = adapter.alpha / adapter.dim
+        if isinstance(base, TorchGroupedLinear):
+            a, b = expert_factors(adapter, base.num_experts)
+            folded[name] = base.packed_weight.double() + scale * b.double() @ a.double()
+        else:
+            folded[name] = (base.weight.double() + scale * adapter.linear_out.weight.double()
+                            @ adapter.linear_in.weight.double())
+    live = gpt_logits(model)
+    names = merge_bridge_lora(model)
+    assert names == list(wrappers) and len(names) == 4 * 4
+    assert not any(isinstance(m, AdapterWrapper) for m in model.modules())
+    modules = dict(model.named_modules())
+    for name, expected in folded.items():
+        merged = modules[name]
+        weight = merged.packed_weight if isinstance(merged, TorchGroupedLinear) else merged.weight
+        assert merged is wrappers[name].to_wrap and rel_err(weight, expected) < 1e-6, name
+    after = gpt_logits(model)
+    assert rel_err(after, live) < 1e-5
+    assert rel_err(after, base_logits) > 1e-2  # the adapters changed the model
+
+
+def _refusal_case(bridge, case):
+    """A GPT with Bridge adapters merge_bridge_lora must refuse, and the module it names."""
+    model = gpt("torch")
+    if case == "canonical":
+        bridge["CanonicalLoRA"](dim=8)(model)
+        return model, r"decoder\.layers\.0\.self_attention\.linear_qkv is a LoRALinearSplitQKV"
+    if case == "dora":
+        bridge["DoRA"](target_modules=["linear_qkv", "linear_proj"], dim=8)(model)
+        return model, r"decoder\.layers\.0\.self_attention\.linear_qkv is a DoRALinear"
+    if case == "router":
+        bridge["LoRA"](target_modules=TARGETS + ["router"], dim=8)(model)
+        return model, r"decoder\.layers\.0\.mlp\.router is a LoRATopKRouter"
+    bridge["LoRA"](target_modules=TARGETS, dim=8)(model)
+    if case == "activation":
+        model.decoder.layers[1].self_attention.linear_proj.adapter.activation = torch.nn.SiLU()
+        return model, r"decoder\.layers\.1\.self_attention\.linear_proj's adapter has a SiLU"
+    assert case == "disabled"
+    model.decoder.layers[2].self_attention.linear_qkv.disable_adapter_layers()
+    return model, r"decoder\.layers\.2\.self_attention\.linear_qkv's adapter is disabled"
+
+
+@pytest.mark.parametrize("case", ["canonical", "dora", "router", "activation", "disabled"])
+def test_merge_refuses_what_it_cannot_fold_and_changes_nothing(bridge, megatron_cpu, case):
+    """One wrapper it cannot fold: refused with its name and the fix, before any weight is
+    written or any wrapper removed (the model also holds foldable dense and expert adapters)."""
+    model, message = _refusal_case(bridge, case)
+    randomize_adapters(model)
+    modules = dict(model.named_modules())
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()
+             if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError, match=r"cannot be merged; nothing was merged:\n(.*\n)*  "
+                                         + message):
+        merge_bridge_lora(model)
+    assert dict(model.named_modules()) == modules
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items() if k in state)
+
+
+def test_merge_refuses_expert_tensor_parallelism_and_changes_nothing(bridge, megatron_cpu,
+                                                                     monkeypatch):
+    """Expert TP > 1 (the packed buffer is a shard of each expert): refused, naming the module
+    and the setting. One process stands for it by answering 2 for the experts' ETP group."""
+    import mcore_torch_experts.bridge as ours
+
+    model = gpt("torch")
+    bridge["LoRA"](target_modules=TARGETS, dim=8)(model)
+    randomize_adapters(model)
+    etp = model.decoder.layers[0].mlp.experts.linear_fc1.to_wrap._pg_collection.expt_tp
+    size = ours.get_pg_size
+    monkeypatch.setattr(ours, "get_pg_size", lambda group: 2 if group is etp else size(group))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()
+             if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError, match=r"decoder\.layers\.0\.mlp\.experts\.linear_fc1 has "
+                                         r"expert tensor parallelism > 1 .*"
+                                         r"expert_tensor_parallel_size=1"):
+        merge_bridge_lora(model)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items() if k in state)
+
+
+@pytest.mark.distributed
+def test_merge_folds_tensor_parallel_dense_adapters(bridge, tmp_path):
+    """TP=2 on two gloo processes (tests/distributed/bridge_merge_tensor_parallel.py): Bridge's
+    LoRA on a column-parallel linear_qkv (A sharded) and a row-parallel linear_proj (B sharded)
+    with random factors; after merge_bridge_lora each rank's weight is its shard of the FP64 fold
+    of the gathered factors, and the output is the one with the adapters live."""
+    import json
+
+    from torchrun_support import ROOT, torchrun
+
+    run = torchrun(ROOT / "tests" / "distributed" / "bridge_merge_tensor_parallel.py", 2, [],
+                   tmp_path / "torchrun.log", timeout_s=240)
+    assert run.returncode == 0, run.output[-4000:]
+    reports = json.loads(next(line for line in reversed(run.output.splitlines())
+                              if line.startswith("[{")))
+    assert [report["rank"] for report in reports] == [0, 1]
+    for report in reports:
+        assert report["merged"] == ["self_attention.linear_qkv", "self_attention.linear_proj"]
+        assert report["unwrapped"] == ["ColumnParallelLinear", "RowParallelLinear"]
+        assert report["linear_qkv_factor_shapes"] == {"A": [2, 16], "B": [12, 4]}  # A sharded
+        assert report["linear_proj_factor_shapes"] == {"A": [4, 12], "B": [8, 4]}  # B sharded
+        assert report["linear_qkv_weight"] < 1e-6 and report["linear_proj_weight"] < 1e-6
+        assert report["linear_qkv_change"] > 0.1 and report["linear_proj_change"] > 0.1
+        assert report["output"] < 1e-6
 
 # --- Bridge's per-expert adapters: one grouped GEMM per projection ------------------------------
 

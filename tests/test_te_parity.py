@@ -230,5 +230,6 @@ def test_bridge_lora_on_te_spec_gpt_torch_experts_match_te_experts(te_world, bri
         before = ours(inputs, positions, mask)
         merged = merge_bridge_lora(ours)
         after = ours(inputs, positions, mask)
-    assert merged and all(".experts." in name for name in merged)
+    assert any(".experts." in name for name in merged)
+    assert not any(type(m).__name__ == "LoRALinear" for m in ours.modules())
     assert rel_err(after, before) < PARITY_TOL
