@@ -15,9 +15,37 @@ device at a time: each turn builds its model afresh (the same frozen base from t
 restores the arm's adapters, optimizer state and last logprobs, kept on the host between turns
 (`ParkedArm`), so a slice needs the memory of its largest arm, not of all of them. Peak
 memory per phase is the arm's own: its resident tensors (weights, adapters, optimizer state) plus
-the phase's peak above what was allocated when the phase began. With --profile (default on), one
-update pass per arm broken down by component (cycle_profile.py). Writes (cycle_report.py)
-results.md, results.json and one breakdown-<slice>-<layers>.png per profiled slice to --out-dir.
+the phase's peak above what was allocated when the phase began. An arm is each (experts module,
+expert-adapter layout from --expert-adapters, adapter source from --adapters): `--arms
+te,te-cutlass,torch --expert-adapters shared,per_expert --adapters ours,bridge` is twelve, each
+built only for its own turns. A turn ends with the arm's model, optimizer state and logprobs
+freed (an error names what still holds the model); the table gives the bytes still allocated
+on the device after a turn ("allocated between turns": the data, no arm's).
+
+With --profile (default on, slices of at most --profile-max-layers MoE layers), after the
+measured rounds --profile-rounds interleaved rounds of one profiled update pass per arm, broken
+down by component (cycle_profile.py; the breakdown table is the first pass's). From each pass
+the MoE side of the update pass (cycle_profile.moe_side): the GPU time of the components from
+the router to the combine -- router, permute/dispatch, expert GEMMs, expert activation, expert
+adapters (the adapters on the expert linears; those on attention and the shared expert are
+`adapters`), combine/unpermute and the MoE layer's own other ops ("MoE layer, rest") -- in the
+forward and the backward (a backward kernel goes to the component whose forward op made its
+autograd node), plus the MoE layer's share of the recompute forward: the recompute's ops are
+split by the innermost `bench::<component>` range open around them (the forward hooks that open
+the ranges fire again when the checkpoint re-runs the layer), and the MoE components' parts
+count. Not in it: the shared expert, the latent projections, attention, norms and residuals, the
+embedding, output layer and loss, the optimizer, gradient accumulation into the adapter leaves
+(AccumulateGrad nodes belong to no module; `adapters`) and `other`. Divided by the expert-GEMM
+kernel time: the device time of the GEMM kernels (by name, cycle_profile.GEMM_KERNEL) that ran
+for the expert GEMMs component, forward, recompute and backward. The table gives per arm the
+median (min–max) over the profiled passes of the MoE side ms, the GEMM kernel ms and the ratio
+(per pass), whether the ratio is at most 1.5 in every pass, and the bound: the MoE side plus all
+of `other` (device time no component claimed: kernels launched outside any recorded op, backward
+nodes whose forward op the profile did not record), with the GEMM kernels found in `other` (TE's
+input-gradient GEMMs have landed there), so a ratio that `other` could change shows as such.
+
+Writes (cycle_report.py) results.md, results.json and one breakdown-<slice>-<layers>.png per
+profiled slice to --out-dir.
 
 Under torchrun (`--ep N`: expert parallelism N, every rank a data-parallel rank with its own
 micro-batches) each rank holds experts / N of the slice's experts (shapes.ModelSlice.built_experts:
@@ -30,6 +58,8 @@ rank is dropped on all.
     python benchmarks/bench_cycle.py --slices nemotron-3-super:4 --expert-adapters shared,per_expert
     python benchmarks/bench_cycle.py --stack local --arms sequential,torch  # the old comparison
     torchrun --nproc-per-node 4 benchmarks/bench_cycle.py --ep 4           # EP=4, alltoall
+    python benchmarks/bench_cycle.py --slices nemotron-3-super:4:3,qwen3-30b-a3b:16:3 \
+        --expert-adapters shared,per_expert --adapters ours,bridge --profile-max-layers 16
     python benchmarks/bench_cycle.py --smoke                               # tiny, seconds (CI)
 """
 
@@ -39,6 +69,7 @@ import os
 import statistics
 import time
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -162,10 +193,13 @@ class ParkedArm:
     and restores what the last `close()` kept on the host (trainable tensors, optimizer state,
     last logprobs); `close()` keeps those and drops the model."""
 
-    def __init__(self, build):
+    def __init__(self, build, device=None):
         self.build, self.cycle, self.kept, self.resident = build, None, None, None
+        self.device, self.open_s = device, None  # open_s: how long the last open() took
+        self.between_turns = None  # the most bytes allocated on the device after a close()
 
     def open(self) -> Cycle:
+        started = time.perf_counter()
         self.cycle = self.build()
         if self.kept is not None:
             params, optimizer, old_logprobs = self.kept
@@ -175,17 +209,32 @@ class ParkedArm:
             self.cycle.optimizer.load_state_dict(optimizer)
             self.cycle.old_logprobs = (None if old_logprobs is None else
                                        [lp.to(self.cycle.device) for lp in old_logprobs])
+        self.open_s = time.perf_counter() - started
         return self.cycle
 
     def close(self) -> None:
-        """Keep the arm's state on the host and free its model (the caching allocator keeps
-        the memory for the next arm)."""
+        """Keep the arm's state on the host and free its model, optimizer state and logprobs
+        (the caching allocator keeps the memory for the next arm); an error naming what is
+        left when the model outlives its turn. Records the bytes still allocated on the
+        device afterwards (`between_turns`: the data and whatever else is not an arm's)."""
         cycle, self.cycle = self.cycle, None
-        if cycle is not None:
-            self.kept = (_to_host(cycle.params), _to_host(cycle.optimizer.state_dict()),
-                         _to_host(cycle.old_logprobs))
-            del cycle
-            gc.collect()
+        if cycle is None:
+            return
+        self.kept = (_to_host(cycle.params), _to_host(cycle.optimizer.state_dict()),
+                     _to_host(cycle.old_logprobs))
+        model, optimizer = weakref.ref(cycle.model), weakref.ref(cycle.optimizer)
+        cycle.old_logprobs = None
+        del cycle
+        gc.collect()
+        alive = [name for name, ref in (("model", model), ("optimizer", optimizer)) if ref()]
+        if alive:
+            holders = sorted({type(r).__name__ for r in gc.get_referrers(model() or optimizer())})
+            raise RuntimeError(f"ParkedArm.close: the arm's {' and '.join(alive)} outlived its "
+                               f"turn (still referenced from {holders}); drop every reference "
+                               "to the Cycle before close()")
+        if self.device is not None and self.device.type == "cuda":
+            held = torch.cuda.memory_allocated(self.device)
+            self.between_turns = max(self.between_turns or 0, held)
 
 
 def reduce_adapter_grads(params) -> None:
@@ -225,45 +274,66 @@ def agreed(note):
     return next((n for n in gather_ranks(note) if n), None)
 
 
+def turn(arm: ParkedArm, work):
+    """(work(cycle), None) for one turn of `arm`, or (None, the failure note); the arm is
+    closed either way, after the failure's traceback (which holds the model) is dropped."""
+    result, note = None, None
+    try:
+        result = work(arm.open())
+    except cm.NotAvailable as exc:  # the table's note as it is
+        note = str(exc)
+    except Exception as exc:  # noqa: BLE001 - reported in the table, traceback on stderr
+        note = error_note(exc)
+    try:
+        arm.close()
+    except Exception as exc:  # noqa: BLE001 - a model left on the device is a failure too
+        note = note or error_note(exc)
+    return result, note
+
+
+def variant_label(variant) -> str:
+    arm, layout, adapters = variant
+    return f"{arm} ({layout}, {adapters} adapters)"
+
+
 def run_interleaved(arms: dict, args, device, log):
-    """({variant: {phase: [ms], "resident": bytes, "peak": {phase: bytes}}} over the measured
-    rounds and every rank (`over_ranks`), {variant: note} of those that failed); every round
-    runs each variant's cycle once, in turn, its model built for the turn (`ParkedArm`); a
-    variant that fails leaves the rounds, the others go on. Peaks: the arm's resident tensors
-    plus the phase's largest extra (None on the CPU)."""
+    """({variant: {phase: [ms], "resident": bytes, "peak": {phase: bytes}, "between_turns":
+    bytes}} over the measured rounds and every rank (`over_ranks`), {variant: note} of those
+    that failed); every round runs each variant's cycle once, in turn, its model built for the
+    turn (`ParkedArm`); a variant that fails leaves the rounds, the others go on. Peaks: the
+    arm's resident tensors plus the phase's largest extra (None on the CPU)."""
     runs = {v: {"logprob": [], "update": [], "extra": dict.fromkeys(PHASES, 0)} for v in arms}
     failed = {}
     rounds = args.warmup + args.cycles
+
+    def one_round(cycle, variant, i):
+        this = {}
+        for phase in PHASES:
+            this[phase], extra = timed_phase(cycle, phase, device)
+            if i >= args.warmup:
+                runs[variant][phase].append(this[phase])
+                if extra is not None:
+                    runs[variant]["extra"][phase] = max(runs[variant]["extra"][phase], extra)
+        if device.type == "cuda":
+            arms[variant].resident = cycle.resident_bytes()
+        return this
+
     for i in range(rounds):
         for variant, arm in list(arms.items()):
-            this, note = {}, None
-            try:
-                cycle = arm.open()
-                for phase in PHASES:
-                    this[phase], extra = timed_phase(cycle, phase, device)
-                    if i >= args.warmup:
-                        runs[variant][phase].append(this[phase])
-                        if extra is not None:
-                            runs[variant]["extra"][phase] = max(runs[variant]["extra"][phase],
-                                                                extra)
-                if device.type == "cuda":
-                    arm.resident = cycle.resident_bytes()
-            except Exception as exc:  # noqa: BLE001 - reported in the table
-                note = error_note(exc)
-            finally:
-                cycle = None
-                arm.close()
+            this, note = turn(arm, lambda cycle: one_round(cycle, variant, i))
             note = agreed(note)
             if note:
                 failed[variant] = note
                 del arms[variant], runs[variant]
                 continue
             warm = " (warm-up)" if i < args.warmup else ""
-            log(f"round {i + 1}/{rounds}{warm} {variant[0]} ({variant[1]}): "
-                f"logprob {this['logprob']:.1f} ms, update {this['update']:.1f} ms")
+            log(f"round {i + 1}/{rounds}{warm} {variant_label(variant)}: "
+                f"logprob {this['logprob']:.1f} ms, update {this['update']:.1f} ms (built and "
+                f"restored in {arm.open_s:.1f} s)")
     for variant, run in runs.items():
         resident = arms[variant].resident if device.type == "cuda" else None
         run["resident"] = resident
+        run["between_turns"] = arms[variant].between_turns
         run["peak"] = (None if resident is None else
                        {phase: resident + run["extra"][phase] for phase in PHASES})
     return over_ranks(runs), failed
@@ -282,6 +352,8 @@ def over_ranks(runs: dict) -> dict:
         merged[variant]["resident"] = max(run["resident"] for run in each) if cuda else None
         merged[variant]["peak"] = ({phase: max(run["peak"][phase] for run in each)
                                     for phase in PHASES} if cuda else None)
+        merged[variant]["between_turns"] = (max(run["between_turns"] for run in each)
+                                            if cuda else None)
     return merged
 
 
@@ -290,23 +362,26 @@ def spread(values) -> dict:
 
 
 def variant_row(variant, run: dict, tokens: int) -> dict:
-    arm, layout = variant
+    arm, layout, adapters = variant
     cycles = [a + b for a, b in zip(run["logprob"], run["update"])]
-    row = {"arm": arm, "layout": layout, "module": cm.ARMS[arm],
+    row = {"arm": arm, "layout": layout, "adapters": adapters, "module": cm.ARMS[arm],
            "logprob_ms": spread(run["logprob"]), "update_ms": spread(run["update"]),
            "cycle_ms": spread(cycles), "cycles_ms": cycles}
     row["tokens_per_s"] = tokens / (row["cycle_ms"]["median"] / 1e3)
     if run["resident"] is not None:
         row["resident_gib"] = run["resident"] / GIB
         row.update({f"{phase}_peak_gib": run["peak"][phase] / GIB for phase in PHASES})
+        row["peak_gib"] = max(row[f"{phase}_peak_gib"] for phase in PHASES)
+        row["between_turns_gib"] = run["between_turns"] / GIB
     return row
 
 
 def run_slice(key: str, layers: int, stack: str, arms, layouts, args, device, log) -> dict:
-    """One slice: every (arm, expert-adapter layout) built in turn (first logprobs compared with
-    the first variant's), measured interleaved, profiled, one model on the device at a time
-    (`ParkedArm`). Under torchrun
-    every rank runs it; the figures are over all ranks (`over_ranks`), the profile rank 0's."""
+    """One slice: every (arm, expert-adapter layout, adapter source) built in turn (first
+    logprobs compared with the first variant's), measured interleaved, then profiled in
+    --profile-rounds interleaved rounds, one model on the device at a time (`ParkedArm`).
+    Under torchrun every rank runs it; the figures are over all ranks (`over_ranks`), the
+    profile rank 0's."""
     model = SLICES[key]
     config = cm.make_config(model, layers, stack, args, device)
     batches = make_batches(model, args, device)
@@ -315,72 +390,82 @@ def run_slice(key: str, layers: int, stack: str, arms, layouts, args, device, lo
     label = f"{model.label}, {layers} MoE layers" + (f", EP={args.ep}" if args.ep > 1 else "")
     result = {"slice": key, "layers": layers, "label": label,
               "header": cm.describe(model, layers, stack, args) + [
-                  f"{args.cycles} measured rounds" + ("" if args.profile else "; not profiled")],
+                  f"{args.cycles} measured rounds" + (
+                      f"; {args.profile_rounds} profiled update pass(es) per arm, interleaved"
+                      if args.profile else "; not profiled")],
               "rows": []}
     parked, notes, first, reference = {}, {}, {}, None
+    variants = [(arm, layout, source) for source in args.adapters for layout in layouts
+                for arm in arms]
 
-    def builder(arm, layout):
+    def builder(arm, layout, source):
         def build():
             with cm.arm_environment(arm):
-                built = cm.build_arm(arm, model, layers, config, stack, args, device, layout)
+                built = cm.build_arm(arm, model, layers, config, stack,
+                                     argparse.Namespace(**{**vars(args), "adapters": source}),
+                                     device, layout)
             return Cycle(arm, built, batches, stack, args, device)
         return build
 
-    for layout in layouts:
-        for arm in arms:
-            variant = (arm, layout)
-            why = cm.arm_unavailable(arm, stack, device)
-            started, note = time.perf_counter(), None
-            parked[variant] = ParkedArm(builder(arm, layout))
-            try:
-                if why:
-                    raise cm.NotAvailable(why)
-                cycle = parked[variant].open()
-                with cycle.environment():
-                    first[variant] = [lp.float().cpu() for lp in cycle.logprob_pass()]
-            except cm.NotAvailable as exc:
-                note = str(exc)
-            except Exception as exc:  # noqa: BLE001 - reported in the table, traceback on stderr
-                note = error_note(exc)
-            finally:
-                cycle = None
-                parked[variant].close()
-            note = agreed(note)
-            if note:
-                parked.pop(variant, None)
-                notes[variant] = note
-                if note.startswith("error"):
-                    log(f"{key}:{layers} {arm} ({layout}): {note}")
-                continue
-            reference = reference or variant
-            log(f"{key}:{layers} {arm} ({layout}): built in "
-                f"{time.perf_counter() - started:.1f} s")
+    def first_logprobs(cycle):
+        with cycle.environment():
+            return [lp.float().cpu() for lp in cycle.logprob_pass()]
+
+    for variant in variants:
+        arm = variant[0]
+        started = time.perf_counter()
+        parked[variant] = ParkedArm(builder(*variant), device)
+        why = cm.arm_unavailable(arm, stack, device)
+        note = f"{why}" if why else None
+        if not why:
+            first[variant], note = turn(parked[variant], first_logprobs)
+        note = agreed(note)
+        if note:
+            parked.pop(variant, None)
+            notes[variant] = note
+            if note.startswith("error"):
+                log(f"{key}:{layers} {variant_label(variant)}: {note}")
+            continue
+        reference = reference or variant
+        log(f"{key}:{layers} {variant_label(variant)}: built in "
+            f"{time.perf_counter() - started:.1f} s")
     runs, failed = run_interleaved(parked, args, device, log)
     notes.update(failed)
-    for layout in layouts:
-        for arm in arms:
-            variant = (arm, layout)
-            if variant in notes:
-                result["rows"].append({"arm": arm, "layout": layout, "module": cm.ARMS[arm],
-                                       "note": notes[variant]})
+    profiles = {variant: [] for variant in runs}
+    profile_notes = {}
+    for i in range(args.profile_rounds if args.profile else 0):
+        for variant in list(profiles):
+            update_ms = statistics.median(runs[variant]["update"])
+            profile, note = turn(parked[variant], lambda cycle: cp.profile_update(
+                cycle, update_ms, device))
+            note = agreed(note)  # every rank stops profiling the variant together
+            if note:
+                profile_notes[variant] = note
+                del profiles[variant]
                 continue
-            row = variant_row(variant, runs[variant], tokens)
-            if layout == "per_expert" or "sequential" not in (arm, reference[0]):
-                # SequentialMLP has one adapter per expert linear: like for like only then;
-                # the largest of the ranks' mean differences
-                row["logprob_diff"] = max(gather_ranks(statistics.mean(
-                    float((a - b).abs().mean()) for a, b in zip(first[variant], first[reference]))))
-                row["logprob_diff_vs"] = f"{cm.ARMS[reference[0]]} ({reference[1]})"
-            if args.profile:
-                try:
-                    row["profile"] = cp.profile_update(parked[variant].open(),
-                                                       row["update_ms"]["median"], device)
-                except Exception as exc:  # noqa: BLE001 - reported under the table
-                    row["profile_note"] = error_note(exc)
-                finally:
-                    parked[variant].close()
-                log(f"{key}:{layers} {arm} ({layout}): profiled")
-            result["rows"].append(row)
+            profiles[variant].append(profile)
+            log(f"{key}:{layers} {variant_label(variant)}: profiled ({i + 1}/"
+                f"{args.profile_rounds})")
+    for variant in variants:
+        arm, layout, source = variant
+        if variant in notes:
+            result["rows"].append({"arm": arm, "layout": layout, "adapters": source,
+                                   "module": cm.ARMS[arm], "note": notes[variant]})
+            continue
+        row = variant_row(variant, runs[variant], tokens)
+        if layout == "per_expert" or "sequential" not in (arm, reference[0]):
+            # SequentialMLP has one adapter per expert linear: like for like only then;
+            # the largest of the ranks' mean differences
+            row["logprob_diff"] = max(gather_ranks(statistics.mean(
+                float((a - b).abs().mean()) for a, b in zip(first[variant], first[reference]))))
+            row["logprob_diff_vs"] = (f"{cm.ARMS[reference[0]]} ({reference[1]}, "
+                                      f"{reference[2]} adapters)")
+        if profiles.get(variant):
+            row["profile"] = profiles[variant][0]
+            row["moe_side"] = cp.moe_side_over_rounds(profiles[variant])
+        elif variant in profile_notes:
+            row["profile_note"] = profile_notes[variant]
+        result["rows"].append(row)
     parked.clear()
     gc.collect()
     if device.type == "cuda":
@@ -430,8 +515,10 @@ def parse_args():
                         help=f"comma-separated, from {', '.join(cm.ARMS)}; auto: "
                              f"{DEFAULT_ARMS['te']} on the TE stack, {DEFAULT_ARMS['local']} "
                              "on the local one")
-    parser.add_argument("--adapters", choices=["auto", "bridge", "ours"], default="auto",
-                        help="Megatron-Bridge's LoRA (auto: when importable) or apply_lora")
+    parser.add_argument("--adapters", default="auto",
+                        help="comma-separated from bridge (Megatron-Bridge's LoRA), ours "
+                             "(apply_lora), auto (bridge when importable, else ours); each is "
+                             "a variant of every arm and layout")
     parser.add_argument("--expert-adapters", default="shared",
                         help="comma-separated from shared, per_expert (each layout is a "
                              "variant of every arm)")
@@ -444,6 +531,9 @@ def parse_args():
     parser.add_argument("--cycles", type=int, default=5, help="measured rounds")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                         help="break one update pass of every arm down by component")
+    parser.add_argument("--profile-rounds", type=int, default=3,
+                        help="profiled update passes per arm (interleaved rounds after the "
+                             "measured ones): the MoE side's median and range are over these")
     parser.add_argument("--profile-max-layers", type=int, default=8,
                         help="profile only slices of at most this many MoE layers (parsing a "
                              "16-layer TE profile takes minutes)")
@@ -454,7 +544,7 @@ def parse_args():
                              "TE arms too), else on the CPU (allgather dispatcher)")
     if parser.parse_known_args()[0].smoke:  # the smoke's sizes as defaults: what is given wins
         parser.set_defaults(seq=32, micro_batch_size=2, micro_batches=2, rank=8, warmup=1,
-                            cycles=2, expert_adapters="per_expert")
+                            cycles=2, expert_adapters="per_expert", profile_rounds=2)
         if not torch.cuda.is_available():
             parser.set_defaults(dispatcher="allgather")  # alltoall needs CUDA streams
             torch.set_num_threads(1)
@@ -463,6 +553,13 @@ def parse_args():
     if set(layouts) - set(cm.EXPERT_ADAPTERS) or not layouts:
         parser.error(f"--expert-adapters {args.expert_adapters!r}: choose from "
                      f"{', '.join(cm.EXPERT_ADAPTERS)}")
+    sources = args.adapters.split(",")
+    if set(sources) - {"auto", "bridge", "ours"} or len(set(sources)) < len(sources):
+        parser.error(f"--adapters {args.adapters!r}: comma-separated, each once, from auto, "
+                     "bridge, ours")
+    if args.profile_rounds < 1:
+        parser.error(f"--profile-rounds {args.profile_rounds}: give 1 or more (--no-profile "
+                     "profiles nothing)")
     return parser, args, layouts
 
 
@@ -479,7 +576,7 @@ def main():
         smoke_slices = "tiny:2,tiny-hybrid:1" if stack == "te" else "tiny:2"
         args.slices = smoke_slices if args.smoke else DEFAULT_SLICES[stack]
     slices = parse_slices(args.slices, parser)
-    args.adapters = cm.adapter_source(args.adapters)
+    args.adapters = list(dict.fromkeys(cm.adapter_source(a) for a in args.adapters.split(",")))
     for noise in (".*Transformer Engine and Apex are not installed.*", "full scope is deprecated"):
         warnings.filterwarnings("ignore", message=noise)
 

@@ -287,12 +287,14 @@ def describe(model: ModelSlice, layers: int, stack: str, args) -> list:
         if stack == "te" else
         "stack: Megatron's local spec (no Transformer Engine): unfused DotProductAttention, "
         "the [b*heads, s, s] scores materialised; permute fusion off")
+    sources = [args.adapters] if isinstance(args.adapters, str) else list(args.adapters)
+    kinds = {"bridge": f"`bridge`: Megatron-Bridge {_version('megatron-bridge')} "
+                       f"LoRA(dim={args.rank}, alpha={args.alpha:g}, share_expert_adapters=True "
+                       "for `shared`, False for `per_expert`)",
+             "ours": f"`ours`: mcore_torch_experts.apply_lora(rank={args.rank}, "
+                     f"alpha={args.alpha:g}, expert_adapter=`shared` or `per_expert`)"}
     lines.append(
-        (f"LoRA: Megatron-Bridge {_version('megatron-bridge')} LoRA(dim={args.rank}, "
-         f"alpha={args.alpha:g}, share_expert_adapters=True for `shared`, False for "
-         "`per_expert`)" if args.adapters == "bridge" else
-         f"LoRA: mcore_torch_experts.apply_lora(rank={args.rank}, alpha={args.alpha:g}, "
-         "expert_adapter=`shared` or `per_expert`)")
+        "LoRA: " + "; ".join(kinds[source] for source in sources)
         + f", BF16 adapters on {', '.join(TARGETS)} (shared experts' too); expert adapters "
         "`shared`: one pair per grouped module, `per_expert`: one per expert (SequentialMLP: "
         "one per expert linear either way)")

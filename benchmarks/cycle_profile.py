@@ -6,9 +6,25 @@ them; a backward op takes the component of the forward op that made its autograd
 (sequence numbers); ops the re-entrant checkpoint's backward runs outside a nested backward node
 are the recompute; gradient accumulation into a leaf goes to the adapters (the only trainable
 leaves). `GPU idle` is the measured update time minus the profiled device time.
+
+The MoE side (`moe_side`): the components from the router to the combine, MOE_SIDE (router,
+permute/dispatch, expert GEMMs, expert activation, expert adapters, combine/unpermute, and the
+MoE layer's own ops outside those, `MoE layer, rest`), forward and backward, plus the same
+components' part of the recompute forward (the recompute's ops are split by the innermost
+`bench::` range open around them: the forward hooks fire again when the checkpoint re-runs the
+layer). Not in it: the shared expert, the latent projections, attention, norms, the head, the
+optimizer, gradient accumulation into the adapter leaves (`adapters`: AccumulateGrad nodes are
+not tied to a module) and `other`. Its denominator, the expert-GEMM kernel time, is the device
+time of the GEMM kernels (GEMM_KERNEL, by name) that ran for the expert GEMMs component or under
+its range in the recompute; on the CPU the own CPU time of the matmul ops there. `other` can hold
+MoE work whose op lost its range (kernels launched outside any recorded op, a backward node
+whose forward op was not recorded): `moe_bound_ms` adds all of `other` (and the recompute's
+`other`) to the MoE side, an upper bound, and `other_gemm_ms` is the GEMM kernels in `other`.
 """
 
 import collections
+import re
+import statistics
 import time
 
 from harness import markdown_table, pyplot, save_figure, sync
@@ -18,10 +34,17 @@ ATTENTION, ROUTER, LATENT, DISPATCH = ("attention", "router", "latent projection
 GEMMS, ACTIVATION, SHARED, COMBINE = ("expert GEMMs", "expert activation", "shared expert",
                                       "combine/unpermute")
 ADAPTERS, RECOMPUTE, OPTIMIZER = "adapters", "recompute (forward)", "optimizer"
+EXPERT_ADAPTERS, MOE_REST = "expert adapters", "MoE layer, rest"
 HEAD, NORMS, OTHER, IDLE = ("embedding, output layer, loss", "norms, residuals", "other",
                             "GPU idle")
-COMPONENTS = [ATTENTION, ROUTER, LATENT, DISPATCH, GEMMS, ACTIVATION, SHARED, COMBINE, ADAPTERS,
-              RECOMPUTE, OPTIMIZER, HEAD, NORMS, OTHER, IDLE]
+COMPONENTS = [ATTENTION, ROUTER, LATENT, DISPATCH, GEMMS, ACTIVATION, SHARED, COMBINE,
+              EXPERT_ADAPTERS, MOE_REST, ADAPTERS, RECOMPUTE, OPTIMIZER, HEAD, NORMS, OTHER, IDLE]
+MOE_SIDE = (ROUTER, DISPATCH, GEMMS, ACTIVATION, EXPERT_ADAPTERS, COMBINE, MOE_REST)
+# GEMM kernels by name: cuBLAS (nvjet, xmma, gemm), CUTLASS (TE's and torch's grouped GEMMs); on
+# the CPU the matmul ops. Not the grouped GEMM's argument preparation.
+GEMM_KERNEL = re.compile(r"gemm|nvjet|xmma|^aten::(_grouped_mm|mm|bmm|addmm|baddbmm)$",
+                         re.IGNORECASE)
+NOT_GEMM_KERNEL = re.compile(r"prepare_grouped_gemm", re.IGNORECASE)
 RANGE = "bench::"
 EVALUATE = "autograd::engine::evaluate_function: "
 DISPATCH_METHODS = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess")
@@ -47,7 +70,7 @@ def component_ranges(model):
             modules[module] = NORMS
             modules[module.self_attention] = ATTENTION
         elif isinstance(module, MoELayer):
-            modules[module] = OTHER
+            modules[module] = MOE_REST
             modules[module.router] = ROUTER
             modules[module.experts] = ACTIVATION
             for part, component in (("shared_experts", SHARED), ("fc1_latent_proj", LATENT),
@@ -59,6 +82,7 @@ def component_ranges(model):
         elif is_adapter_wrapper(module):
             modules[module.adapter] = ADAPTERS
             if ".experts." in name:
+                modules[module.adapter] = EXPERT_ADAPTERS
                 modules[module.to_wrap] = GEMMS
     for final in ("final_layernorm", "final_norm"):
         if getattr(model.decoder, final, None) is not None:
@@ -140,6 +164,7 @@ def classify(events, cuda: bool):
                                _innermost_range(_ancestors(event)))
     totals, recompute = dict.fromkeys(COMPONENTS, 0.0), dict.fromkeys(COMPONENTS, 0.0)
     gemm_kernels, other_sources = collections.Counter(), collections.Counter()
+    other_gemm = 0.0
     for event in cpu_events:
         if getattr(event, "is_user_annotation", False):
             continue  # a range: its device span holds its ops' kernels, counted with those ops
@@ -163,14 +188,45 @@ def classify(events, cuda: bool):
         totals[component] += own
         if component == OTHER:
             other_sources[node.name[len(EVALUATE):] if node is not None else event.name] += own
+        named = ([(k.name, k.duration) for k in kernels] if cuda else [(event.name, own)])
         if GEMMS in (component, _innermost_range(chain)):
-            for kernel in kernels:
-                gemm_kernels[kernel.name] += kernel.duration
+            for name, us in named:
+                gemm_kernels[name] += us
+        if component == OTHER or (component == RECOMPUTE and _innermost_range(chain) == OTHER):
+            other_gemm += sum(us for name, us in named if is_gemm_kernel(name))
     device_total = (sum(e.time_range.elapsed_us() for e in events
                         if e.device_type == DeviceType.CUDA
                         and not getattr(e, "is_user_annotation", False)
                         and not e.name.startswith(RANGE)) if cuda else None)
-    return totals, recompute, device_total, gemm_kernels, other_sources
+    return totals, recompute, device_total, gemm_kernels, other_sources, other_gemm
+
+
+def is_gemm_kernel(name: str) -> bool:
+    return bool(GEMM_KERNEL.search(name)) and not NOT_GEMM_KERNEL.search(name)
+
+
+def moe_side(profile: dict) -> dict:
+    """The MoE side of one profiled update pass (see the module's docstring): ms, its
+    expert-GEMM kernel ms, their ratio, and the upper bound with all of `other` in it."""
+    ms, again = profile["ms"], profile["recompute_ms"]
+    moe = sum(ms[c] for c in MOE_SIDE) + sum(again[c] for c in MOE_SIDE)
+    gemm = profile["gemm_kernel_ms"]
+    bound = moe + ms[OTHER] + again[OTHER]
+    return {"moe_ms": moe, "gemm_ms": gemm, "ratio": moe / gemm if gemm else None,
+            "moe_bound_ms": bound, "ratio_bound": bound / gemm if gemm else None,
+            "recompute_moe_ms": sum(again[c] for c in MOE_SIDE),
+            "other_gemm_ms": profile["other_gemm_ms"]}
+
+
+def moe_side_over_rounds(profiles) -> dict:
+    """{"rounds": [moe_side of each profiled pass], key: {median, min, max}} over the passes."""
+    rounds = [moe_side(p) for p in profiles]
+    summary = {"rounds": rounds}
+    for key in ("moe_ms", "gemm_ms", "ratio", "moe_bound_ms", "ratio_bound"):
+        values = [r[key] for r in rounds if r[key] is not None]
+        summary[key] = ({"median": statistics.median(values), "min": min(values),
+                         "max": max(values)} if values else None)
+    return summary
 
 
 def profile_update(cycle, update_ms: float, device) -> dict:
@@ -185,7 +241,7 @@ def profile_update(cycle, update_ms: float, device) -> dict:
         cycle.update_pass()
         sync(device)
     started = time.perf_counter()
-    totals, recompute, device_total, gemm_kernels, other_sources = classify(
+    totals, recompute, device_total, gemm_kernels, other_sources, other_gemm = classify(
         prof.events(), device.type == "cuda")
     attributed = sum(totals.values())
     if device_total is not None:  # device time no op claimed (e.g. kernels launched elsewhere)
@@ -197,6 +253,9 @@ def profile_update(cycle, update_ms: float, device) -> dict:
     print(f"[cycle]   profile parsed in {time.perf_counter() - started:.1f} s", flush=True)
     return {"ms": ms, "recompute_ms": {k: v / 1e3 for k, v in recompute.items()},
             "busy_ms": busy_ms, "idle_measured": device.type == "cuda",
+            "gemm_kernel_ms": sum(us for name, us in gemm_kernels.items()
+                                  if is_gemm_kernel(name)) / 1e3,
+            "other_gemm_ms": other_gemm / 1e3,
             "gemm_kernels": [[name[:90], us / 1e3] for name, us in
                              gemm_kernels.most_common(TOP_KERNELS)],
             "other_sources": [[name[:90], us / 1e3] for name, us in

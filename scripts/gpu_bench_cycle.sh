@@ -1,17 +1,33 @@
 #!/usr/bin/env bash
 # The RL cycle on the Transformer Engine stack, on one H200, from the repository root:
 #   bash scripts/gpu_bench_cycle.sh "$OUT" [more bench_cycle.py options]
-# Expects Transformer Engine, megatron-core 0.19 and megatron-bridge 0.6 on PYTHONPATH (default
-# /tmp/te/site:/tmp/site, then the checkout). First the CPU-sized smoke (tests/test_bench_smoke.py,
-# which on a CUDA host with TE runs the tiny TE-stack arms, a minute), then the benchmark: the
-# Super-like slice first (the headline), then Qwen3-30B-A3B at 4 and 16 MoE layers (16 layers:
-# 3 measured rounds, not profiled). About 6 to 7 minutes on the H200 (SKIP_SMOKE=1 leaves the
-# smoke out; EXPERT_ADAPTERS=shared,per_expert adds Bridge's per-expert adapters as more arms).
+# Expects Transformer Engine installed by .te/install.sh (../shared/te-h200/README.md) and
+# megatron-core 0.19 and megatron-bridge 0.6 from .whl/ (installed into /tmp/site here) or on
+# PYTHONPATH (default /tmp/te/site:/tmp/site, then the checkout). First the CPU-sized smoke
+# (tests/test_bench_smoke.py, which on a CUDA host with TE runs the tiny TE-stack arms, a minute),
+# then the benchmark: the Super-like slice first (the headline), then Qwen3-30B-A3B at 4 and 16 MoE
+# layers (16 layers: 3 measured rounds, not profiled). SKIP_SMOKE=1 leaves the smoke out;
+# EXPERT_ADAPTERS=shared,per_expert adds the per-expert layout as more arms, `--adapters
+# ours,bridge` both adapter sources (each a variant of every arm; one arm's model on the device at
+# a time). Profiled slices get --profile-rounds (default 3) profiled update passes per arm: the
+# report's MoE side against the expert-GEMM kernel time is the median (min–max) over those.
+# The MoE-side run (six arms), one slice per call, each near 5 minutes (the 16-layer slice
+# measured, not profiled):
+#   SKIP_SMOKE=1 EXPERT_ADAPTERS=shared,per_expert bash scripts/gpu_bench_cycle.sh "$OUT/super" \
+#     --slices nemotron-3-super:4:3 --adapters ours --warmup 1
+#   SKIP_SMOKE=1 EXPERT_ADAPTERS=shared,per_expert bash scripts/gpu_bench_cycle.sh "$OUT/qwen16" \
+#     --slices qwen3-30b-a3b:16:3 --adapters ours --warmup 1
 # Results (results.md, results.json, breakdown-*.png) and log.txt land in "$OUT/cycle".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:?usage: scripts/gpu_bench_cycle.sh OUT_DIR [bench_cycle.py options]}"
 shift
+# The carried wheels (.whl/: megatron-core 0.19.2, megatron-bridge 0.6.2, omegaconf, antlr4), as
+# scripts/gpu_te.sh installs them, when the checkout has them.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+fi
 export PYTHONPATH="${PYTHONPATH:-/tmp/te/site:/tmp/site}:$PWD" PYTHONUNBUFFERED=1
 mkdir -p "$out/cycle"
 python3 -c "import transformer_engine as te, megatron.core as mc, megatron.bridge; \

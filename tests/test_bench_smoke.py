@@ -46,8 +46,9 @@ def test_bench_experts_tiny(tmp_path):
 
 def test_bench_cycle_smoke(tmp_path):
     stdout = run_benchmark("bench_cycle.py", "--smoke", "--out-dir", str(tmp_path))
-    assert "| experts | expert adapters | logprob ms | update ms | cycle ms, median (min–max) |" \
-        in stdout
+    assert ("| experts | expert adapters | adapters | logprob ms | update ms | cycle ms, median "
+            "(min–max) |") in stdout
+    assert "| experts | expert adapters | adapters | MoE side ms | of it recompute ms |" in stdout
     assert "### Update pass by component (torch profiler)" in stdout
     assert "bench_cycle.py --smoke" in stdout and "megatron-core" in stdout  # the header
 
@@ -78,9 +79,47 @@ def test_bench_cycle_smoke(tmp_path):
         # Same weights, adapters and data: the arms' log-probabilities agree (BF16 rounding).
         assert row["logprob_diff"] < 1e-2, row
     assert (tmp_path / "breakdown-tiny-2.png").stat().st_size > 0
+    check_moe_side(gpt["rows"], (tmp_path / "results.md").read_text(), passes=2)
     if te_stack:  # the hybrid slice (latent MoE, shared expert) runs on the TE stack only
         hybrid = {row["arm"]: row for row in report["slices"][1]["rows"]}
         assert all("note" not in row and row["logprob_diff"] < 1e-2 for row in hybrid.values())
+
+
+# The MoE side as the report defines it, from the breakdown's named components.
+MOE_SIDE = ("router", "permute/dispatch", "expert GEMMs", "expert activation", "expert adapters",
+            "combine/unpermute", "MoE layer, rest")
+
+
+def check_moe_side(rows, report_md, passes):
+    """Every arm that ran has its MoE side over `passes` profiled passes: each pass's MoE ms is
+    the sum of the MoE components and their recompute part, its ratio that over the recorded
+    expert-GEMM kernel ms; the summary is the median and range of those; and the report's MoE
+    table has a row per arm, with the median ratio."""
+    import statistics
+
+    table = report_md.split("### MoE side of the update pass")[1].split("###")[0]
+    ran = [row for row in rows if "note" not in row]
+    assert ran
+    for row in ran:
+        side = row["moe_side"]
+        assert len(side["rounds"]) == passes, side
+        first = side["rounds"][0]
+        profile = row["profile"]  # the first pass's breakdown
+        moe = sum(profile["ms"][c] + profile["recompute_ms"][c] for c in MOE_SIDE)
+        assert math.isclose(first["moe_ms"], moe, rel_tol=1e-9), (first, moe)
+        assert first["gemm_ms"] == profile["gemm_kernel_ms"] > 0
+        assert first["moe_ms"] > first["gemm_ms"]  # the GEMMs are a part of the MoE side
+        for one in side["rounds"]:
+            assert math.isclose(one["ratio"], one["moe_ms"] / one["gemm_ms"], rel_tol=1e-9)
+            assert one["moe_bound_ms"] >= one["moe_ms"]
+        ratios = [one["ratio"] for one in side["rounds"]]
+        assert side["ratio"] == {"median": statistics.median(ratios), "min": min(ratios),
+                                 "max": max(ratios)}
+        cells = [line for line in table.splitlines()
+                 if line.startswith(f"| {row['module']} | {row['layout']} | {row['adapters']} |")]
+        assert len(cells) == 1, (row["module"], table)
+        assert f"| {side['ratio']['median']:.2f} (" in cells[0]
+    assert len([line for line in table.splitlines() if line.startswith("| ")]) == len(ran) + 1
 
 
 def test_bench_cycle_smoke_keeps_the_options_given_beside_it(tmp_path):
@@ -94,6 +133,25 @@ def test_bench_cycle_smoke_keeps_the_options_given_beside_it(tmp_path):
     assert sorted(row["layout"] for row in rows) == ["per_expert", "shared"]
     assert all(len(row["cycles_ms"]) == 3 for row in rows), rows
     assert (report["args"]["rank"], report["args"]["seq"]) == ("16", "32")  # stored as text
+
+
+def test_bench_cycle_runs_every_adapter_source_and_layout_as_an_arm(tmp_path):
+    """--adapters ours,bridge with both layouts: a row per (arm, layout, source), each measured
+    and profiled in its own turns; a source named twice is refused."""
+    if sys.version_info < (3, 12) or importlib.util.find_spec("megatron.bridge") is None:
+        pytest.skip("Megatron-Bridge's PEFT needs Python 3.12 and megatron-bridge")
+    run_benchmark("bench_cycle.py", "--smoke", "--adapters", "ours,bridge", "--expert-adapters",
+                  "shared,per_expert", "--arms", "torch", "--profile-rounds", "1",
+                  "--out-dir", str(tmp_path))
+    report = json.loads((tmp_path / "results.json").read_text())
+    rows = report["slices"][0]["rows"]
+    assert sorted((row["layout"], row["adapters"]) for row in rows) == [
+        ("per_expert", "bridge"), ("per_expert", "ours"), ("shared", "bridge"), ("shared", "ours")]
+    check_moe_side(rows, (tmp_path / "results.md").read_text(), passes=1)
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_cycle.py"), "--smoke",
+                           "--adapters", "ours,ours"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "--adapters 'ours,ours'" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_bench_cycle_smoke_at_ep2_under_torchrun(tmp_path):
@@ -289,3 +347,29 @@ def test_a_parked_arm_trains_on_as_if_it_had_stayed_built():
     assert state["state"].keys() == held_state["state"].keys() and all(
         torch.equal(torch.as_tensor(v), torch.as_tensor(held_state["state"][i][k]))
         for i, s in state["state"].items() for k, v in s.items())
+
+
+def test_a_parked_arm_refuses_to_end_a_turn_while_its_model_is_still_referenced():
+    """ParkedArm.close: a model kept alive past its turn (so its memory would stay with the next
+    arm) is an error naming it; the state was kept, and the next close of a clean turn passes."""
+    import types
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_cycle
+
+    def build():
+        model = torch.nn.Linear(4, 2)
+        params = list(model.parameters())
+        return types.SimpleNamespace(model=model, params=params, device=torch.device("cpu"),
+                                     optimizer=torch.optim.AdamW(params, lr=0.1),
+                                     old_logprobs=[torch.zeros(2)])
+
+    arm = bench_cycle.ParkedArm(build)
+    leaked = arm.open().model
+    with pytest.raises(RuntimeError, match="the arm's model outlived its turn"):
+        arm.close()
+    assert arm.cycle is None and arm.kept is not None
+    del leaked
+    arm.open()
+    arm.close()  # nothing else holds it
+    assert arm.cycle is None
