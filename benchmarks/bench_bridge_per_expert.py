@@ -90,7 +90,7 @@ def main():
     mcore_torch_experts.register_with_megatron_bridge()
     grouped_forward = AdapterWrapper.adapter_forward
     bridge_forward = getattr(grouped_forward, _ORIGINAL)
-    device = torch.device("cpu" if args.tiny else "cuda")
+    device = torch.device("cpu") if args.tiny else torch.device("cuda", torch.cuda.current_device())
     pg = init_megatron(device, seed=0)
     rows = []
     for key in args.shapes.split(","):
