@@ -425,6 +425,11 @@ def merge_bridge_lora(model) -> List[str]:
         for (chunk, name, wrapper), weights in zip(found, merged):
             base = wrapper.to_wrap
             (base.packed_weight if isinstance(base, TorchGroupedLinear) else base.weight).copy_(weights)
+            # Bridge's LoRA makes a TE layernorm linear also return its layernorm output (for
+            # the adapter, which the wrapper consumed); its holder expects (out, bias) again.
+            for flag in ("return_layernorm_output", "return_layernorm_output_gathered"):
+                if getattr(base, flag, False) is True:
+                    setattr(base, flag, False)
             parent, _, child = name.rpartition(".")
             setattr(chunk.get_submodule(parent), child, base)
     return [name for _, name, _ in found]

@@ -54,24 +54,27 @@ def has_hooks(module: torch.nn.Module) -> bool:
                 hooks._global_backward_pre_hooks))
 
 
+def declares_fused_expert_kernels(module: torch.nn.Module) -> bool:
+    """Whether `module`'s own class (a subclass does not inherit it) says the fused expert
+    kernels compute its math: lora.py's LoRALinear, LoRAAdapter and PerExpertLoRAAdapter set
+    `FUSED_EXPERT_KERNELS = True`, so the experts' core needs no import of the adapters."""
+    return type(module).__dict__.get("FUSED_EXPERT_KERNELS", False) is True
+
+
 def fused_adapter(linear: torch.nn.Module, linear_type: type):
     """(base, adapter) of an expert linear as the fused path sees it: a plain `linear_type` is
     (linear, None); our LoRALinear around one, (its base, its adapter). Anything else is
     (None, None)."""
-    from .lora import LoRALinear
-
     if type(linear) is linear_type:
         return linear, None
-    if type(linear) is LoRALinear and type(linear.to_wrap) is linear_type:
+    if declares_fused_expert_kernels(linear) and type(linear.to_wrap) is linear_type:
         return linear.to_wrap, linear.adapter
     return None, None
 
 
 def _adapter_obstacle(name: str, linear: torch.nn.Module, adapter: torch.nn.Module):
     """Why the fused kernels cannot compute `adapter` (of our LoRALinear `linear`), or None."""
-    from .lora import LoRAAdapter, PerExpertLoRAAdapter
-
-    if type(adapter) not in (LoRAAdapter, PerExpertLoRAAdapter):
+    if not declares_fused_expert_kernels(adapter):
         return (f"{name}'s adapter is a {type(adapter).__name__}, not one of "
                 "mcore_torch_experts.lora's LoRAAdapter/PerExpertLoRAAdapter")
     if getattr(adapter, "tp_mode", None) is not None:

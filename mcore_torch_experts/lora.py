@@ -73,6 +73,8 @@ class LoRAAdapter(torch.nn.Module):
     `tp_mode` "column"/"row" maps the rank-r activation across `tp_group` (see the module doc).
     """
 
+    FUSED_EXPERT_KERNELS = True  # kernel_choice.declares_fused_expert_kernels
+
     def __init__(self, in_features: int, out_features: int, rank: int, alpha: float,
                  dropout: float, dtype, device, tp_mode: Optional[str] = None, tp_group=None):
         super().__init__()
@@ -94,6 +96,8 @@ class LoRAAdapter(torch.nn.Module):
 class PerExpertLoRAAdapter(torch.nn.Module):
     """A low-rank pair per local expert: x [T, in] (rows contiguous by expert), tokens_per_expert
     [E] -> [T, out]; the rows of expert e use A[e] [r, in] and B[e] [out, r]."""
+
+    FUSED_EXPERT_KERNELS = True  # kernel_choice.declares_fused_expert_kernels
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, rank: int,
                  alpha: float, dropout: float, dtype, device):
@@ -121,6 +125,8 @@ class LoRALinear(torch.nn.Module):
     base may answer in any form Megatron's linears use: `(out, bias)`, `((out, ln_out), bias)`
     (TE with the switch on), `(out, bias, ln_out)`.
     """
+
+    FUSED_EXPERT_KERNELS = True  # kernel_choice.declares_fused_expert_kernels
 
     def __init__(self, to_wrap: torch.nn.Module, adapter: torch.nn.Module):
         super().__init__()

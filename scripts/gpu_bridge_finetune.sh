@@ -23,6 +23,9 @@ for wheel in .whl/bridge/*.whl /tmp/bigwhl/*.whl; do
     || missing+=("$wheel")
 done
 echo "gpu_bridge_finetune: installing what the machine lacks: ${missing[*]##*/}"
+# Their own target: Megatron-Energon is `megatron/energon`, and `megatron` (a namespace package)
+# already holds megatron-core in /tmp/site, which pip --target would not merge into.
 [ ${#missing[@]} -eq 0 ] || python3 -m pip install -q --no-index --no-deps --no-compile \
-  --no-cache-dir --target /tmp/site "${missing[@]}" || exit 1
+  --no-cache-dir --upgrade --target /tmp/site-bridge "${missing[@]}" || exit 1
+export PYTHONPATH="$PYTHONPATH:/tmp/site-bridge"
 python3 benchmarks/bridge_finetune_run.py --out-dir "$out" "$@"

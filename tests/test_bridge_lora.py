@@ -650,17 +650,30 @@ def import_lora():
     return LoRA
 
 
-def run_experts(experts, splits, dtype, device, seed=2, splits_on=None):
-    """Output and every gradient (input, each adapter factor) of one forward/backward."""
+def experts_inputs(experts, splits, dtype, device, seed=2, splits_on=None):
+    """(x, tokens_per_expert, probs, output gradient) on the device: made apart from the call,
+    since copying host tensors to the GPU is itself a synchronizing operation."""
     generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(sum(splits), experts.config.hidden_size, generator=generator).to(device, dtype)
-    x.requires_grad_(True)
-    probs = torch.rand(sum(splits), generator=generator).to(device)
+    rows, hidden = sum(splits), experts.config.hidden_size
+    x = torch.randn(rows, hidden, generator=generator).to(device, dtype)
+    probs = torch.rand(rows, generator=generator).to(device)
+    grad = torch.randn(rows, hidden, generator=generator).to(device, dtype)
+    return x, torch.tensor(splits, device=splits_on or device), probs, grad
+
+
+def run_on(experts, x, tokens_per_expert, probs, grad):
+    """Output and every gradient (input, each adapter factor) of one forward/backward."""
+    x = x.detach().clone().requires_grad_(True)
     experts.zero_grad()
-    out, _ = experts(x, torch.tensor(splits, device=splits_on or device), probs)
-    out.backward(torch.randn(out.shape, generator=generator).to(device, dtype))
+    out, _ = experts(x, tokens_per_expert, probs)
+    out.backward(grad)
     return [out.detach(), x.grad] + [p.grad.clone() for n, p in sorted(experts.named_parameters())
                                      if p.requires_grad]
+
+
+def run_experts(experts, splits, dtype, device, seed=2, splits_on=None):
+    """run_on with fresh inputs (seeded)."""
+    return run_on(experts, *experts_inputs(experts, splits, dtype, device, seed, splits_on))
 
 
 def with_bridge_forward(experts, bridge_per_expert_forward, fn):
@@ -799,12 +812,13 @@ def test_per_expert_adapters_on_cuda_sync_free_bitwise_and_as_bridge_s_grouped_p
     experts = per_expert_experts(make_config(dtype=torch.bfloat16, hidden=256, ffn=128),
                                  megatron_world, "cuda")
     splits = [0, 300, 17, 195]
-    run_experts(experts, splits, torch.bfloat16, "cuda")  # warm-up
+    inputs = experts_inputs(experts, splits, torch.bfloat16, "cuda")
+    run_on(experts, *inputs)  # warm-up
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        first = run_experts(experts, splits, torch.bfloat16, "cuda")
-        second = run_experts(experts, splits, torch.bfloat16, "cuda")
+        first = run_on(experts, *inputs)
+        second = run_on(experts, *inputs)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(torch.equal(a, b) for a, b in zip(first, second))

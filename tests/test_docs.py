@@ -13,7 +13,7 @@ from megatron.core.models.gpt import gpt_layer_specs
 from doc_snippets import PUBLISHED, README_MD, code_blocks, run_snippet, snippet, snippets
 from mcore_torch_experts import TorchGroupedMLP, apply_lora, build_gpt_model
 from te_support import needs_te
-from test_specs import mlp_kinds, plain_config
+from test_specs import experts_class, mlp_kinds, plain_config
 from tiny_gpt import fp32_moe_config, gpt, tiny_config
 
 TESTS = Path(__file__).parent
@@ -52,7 +52,7 @@ def test_readme_commands_are_the_scripts_ci_runs():
 def test_readme_flag_snippet_gives_torch_experts(te_world):
     """Megatron's TE layer spec, which the snippet names, needs Transformer Engine to build."""
     spec = run_snippet("readme-flag", README_MD)["layer_spec"]
-    assert spec.submodules.mlp.submodules.experts.module is TorchGroupedMLP
+    assert experts_class(spec) is TorchGroupedMLP
 
 
 def test_guarantees_lora_snippet_saves_and_strictly_reloads_the_adapters(
