@@ -35,8 +35,21 @@ import torch
 import torch.nn.functional as F
 
 from combine_bench import autograd_loop_combine
-from harness import (CPU_ENV, GIB, MIB, OOM, Meter, catch_oom, error_note, guarded,
-                     markdown_table, package_module, ratio, rerun_with_cpu_env, write_report)
+from harness import (
+    CPU_ENV,
+    GIB,
+    MIB,
+    OOM,
+    Meter,
+    catch_oom,
+    error_note,
+    guarded,
+    markdown_table,
+    package_module,
+    ratio,
+    rerun_with_cpu_env,
+    write_report,
+)
 from harness import header as bench_header
 
 SHAPE = dict(hidden=7168, ffn=2048, experts=32, top_k=8, tokens=[16384, 65536], chunk_rows=4096,

@@ -35,13 +35,41 @@ from pathlib import Path
 
 import torch
 
-from experts_impls import (DENSE, EAGER_ACT, FUSED, GEMMS, GROUPED, LEGACY, LORA_FUSED,
-                           LORA_GROUPED, OURS_CPU, OURS_GPU, OURS_GRAPH, RAW, REPO_ROOT,
-                           SEQUENTIAL, TE, build_legacy, build_sequential, build_te,
-                           copy_into_ours, forced_forward, frozen, gemm_impl, graph_step,
-                           guarded_build, init_megatron, lora_agreement, lora_impl,
-                           lora_wrappers, make_config, measure, module_impl, raw_pair_impl,
-                           rel_err)
+from experts_impls import (
+    DENSE,
+    EAGER_ACT,
+    FUSED,
+    GEMMS,
+    GROUPED,
+    LEGACY,
+    LORA_FUSED,
+    LORA_GROUPED,
+    OURS_CPU,
+    OURS_GPU,
+    OURS_GRAPH,
+    RAW,
+    REPO_ROOT,
+    SEQUENTIAL,
+    TE,
+    build_legacy,
+    build_sequential,
+    build_te,
+    copy_into_ours,
+    forced_forward,
+    frozen,
+    gemm_impl,
+    graph_step,
+    guarded_build,
+    init_megatron,
+    lora_agreement,
+    lora_impl,
+    lora_wrappers,
+    make_config,
+    measure,
+    module_impl,
+    raw_pair_impl,
+    rel_err,
+)
 from experts_report import plots, report_body, to_json
 from harness import Meter, guarded, header, write_report
 from shapes import ROUTINGS, SHAPES, SWEEP, TINY_SHAPES, make_splits

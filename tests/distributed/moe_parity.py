@@ -19,10 +19,26 @@ import sys
 import torch
 import torch.distributed as dist
 
-from _common import (GlobalWeights, Sizes, base_parser, expert_weight_params, experts_layer,
-                     global_inputs, group_ranks, init_parallel, init_processes, install,
-                     moe_config, moe_layer, parity_table, reference_moe, rel_err, routing,
-                     te_unavailable, write_result)
+from _common import (
+    GlobalWeights,
+    Sizes,
+    base_parser,
+    expert_weight_params,
+    experts_layer,
+    global_inputs,
+    group_ranks,
+    init_parallel,
+    init_processes,
+    install,
+    moe_config,
+    moe_layer,
+    parity_table,
+    reference_moe,
+    rel_err,
+    routing,
+    te_unavailable,
+    write_result,
+)
 
 CASES = {"swiglu": Sizes(glu=True), "squared_relu": Sizes(glu=False)}
 # Relative L2 errors. The layer runs in bf16 (inputs, weights, expert outputs); the FP64 reference
