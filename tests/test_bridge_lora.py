@@ -352,7 +352,8 @@ def test_adapter_only_distributed_checkpoint_round_trip(bridge, megatron_cpu_tra
 
     models, pefts = [], []
     for seed in (0, 0):
-        model, peft = gpt("torch"), bridge["LoRA"](target_modules=TARGETS, dim=8, **LAYOUTS[layout])
+        model = gpt("torch", seed=seed)
+        peft = bridge["LoRA"](target_modules=TARGETS, dim=8, **LAYOUTS[layout])
         peft(model)
         peft.set_params_to_save(model)
         models.append(model), pefts.append(peft)
