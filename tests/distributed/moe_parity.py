@@ -136,7 +136,9 @@ def shared_experts_fp32_combine(args, pg, device, overlap, experts="torch"):
         assert isinstance(layer, FP32CombineMoELayer) == fp32
         install(layer, weights, pg, sizes.glu)
         calls = []
-        layer.shared_experts.linear_fc2.register_forward_hook(lambda *args: calls.append(1))
+        # The hook holds this layer's list (not the loop variable, which the next layer rebinds).
+        layer.shared_experts.linear_fc2.register_forward_hook(
+            lambda *args, calls=calls: calls.append(1))
         results[fp32] = run_layer(layer, x, grad_out, {}, fp32)
         fc2_calls[fp32] = len(calls)
     (out, grad), (megatron_out, megatron_grad) = results[True], results[False]
