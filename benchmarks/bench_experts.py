@@ -186,7 +186,7 @@ class ShapeBench:
                 name, module, x, splits, probs, gy) if not isinstance(module, str) else module))
         rows = []
         for name, make in impls:
-            row = guarded(name, lambda: self.row(make(), name, reference, full))
+            row = guarded(name, lambda: self.row(make(), name, reference, full))  # noqa: B023 - called at once
             rows.append(row)
             self.progress(shape, routing, config.num_moe_experts, row)
         if full and args.lora_rank and self.meter.cuda:
@@ -340,7 +340,7 @@ def main():
         config, ours, seq = bench.build(shape, shape.experts, packing[name])
         extras = {TE: guarded_build(build_te, config, pg, ours),
                   LEGACY: guarded_build(build_legacy, config, pg, ours)}
-        dense_row = guarded(DENSE, lambda: bench.dense(shape))
+        dense_row = guarded(DENSE, lambda: bench.dense(shape))  # noqa: B023 - called at once
         graph = {} if meter.cuda else None
         for routing in routings:
             res = bench.routing(shape, routing, config, ours, seq, dense_row, extras, graph)
