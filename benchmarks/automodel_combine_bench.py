@@ -35,8 +35,21 @@ import torch
 import torch.nn.functional as F
 
 from combine_bench import autograd_loop_combine
-from harness import (CPU_ENV, GIB, MIB, OOM, Meter, catch_oom, error_note, guarded,
-                     markdown_table, package_module, ratio, rerun_with_cpu_env, write_report)
+from harness import (
+    CPU_ENV,
+    GIB,
+    MIB,
+    OOM,
+    Meter,
+    catch_oom,
+    error_note,
+    guarded,
+    markdown_table,
+    package_module,
+    ratio,
+    rerun_with_cpu_env,
+    write_report,
+)
 from harness import header as bench_header
 
 SHAPE = dict(hidden=7168, ffn=2048, experts=32, top_k=8, tokens=[16384, 65536], chunk_rows=4096,
@@ -190,12 +203,12 @@ def measure(bench, installs, meter, repeats, mode):
                 times = row[f"{key} ms"]
                 if what == "peak":
                     row[f"{key} peak"] = bench.with_variant(
-                        install, lambda: catch_oom(lambda: warm_peak(fn)))
+                        install, lambda: catch_oom(lambda: warm_peak(fn)))  # noqa: B023 - called at once
                     if row[f"{key} peak"] == OOM:
                         times.append(OOM)
                 elif OOM not in times:
                     times.append(bench.with_variant(
-                        install, lambda: catch_oom(lambda: meter.time(fn)[0])))
+                        install, lambda: catch_oom(lambda: meter.time(fn)[0])))  # noqa: B023 - called at once
         except Exception as exc:  # noqa: BLE001 - reported in the table, traceback on stderr
             row["note"] = error_note(exc)
         suffix = " peak" if what == "peak" else " ms"
@@ -223,8 +236,8 @@ def check(bench, installs):
     rows = []
     for name, (install, _) in installs.items():
         def row():
-            first = bench.with_variant(install, bench.outputs_and_grads)
-            second = bench.with_variant(install, bench.outputs_and_grads)
+            first = bench.with_variant(install, bench.outputs_and_grads)  # noqa: B023 - row() runs at once
+            second = bench.with_variant(install, bench.outputs_and_grads)  # noqa: B023 - as above
             out = {f"{n} err": ((a.double() - r).abs().max() / r.abs().max()).item()
                    for n, a, r in zip(names, first, reference)}
             out["y max |diff| vs shipped"] = (first[0] - shipped[0]).float().abs().max().item()

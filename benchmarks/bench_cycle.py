@@ -320,7 +320,7 @@ def run_interleaved(arms: dict, args, device, log):
 
     for i in range(rounds):
         for variant, arm in list(arms.items()):
-            this, note = turn(arm, lambda cycle: one_round(cycle, variant, i))
+            this, note = turn(arm, lambda cycle: one_round(cycle, variant, i))  # noqa: B023 - called at once
             note = agreed(note)
             if note:
                 failed[variant] = note
@@ -437,7 +437,7 @@ def run_slice(key: str, layers: int, stack: str, arms, layouts, args, device, lo
         for variant in list(profiles):
             update_ms = statistics.median(runs[variant]["update"])
             profile, note = turn(parked[variant], lambda cycle: cp.profile_update(
-                cycle, update_ms, device))
+                cycle, update_ms, device))  # noqa: B023 - called at once
             note = agreed(note)  # every rank stops profiling the variant together
             if note:
                 profile_notes[variant] = note

@@ -35,13 +35,41 @@ from pathlib import Path
 
 import torch
 
-from experts_impls import (DENSE, EAGER_ACT, FUSED, GEMMS, GROUPED, LEGACY, LORA_FUSED,
-                           LORA_GROUPED, OURS_CPU, OURS_GPU, OURS_GRAPH, RAW, REPO_ROOT,
-                           SEQUENTIAL, TE, build_legacy, build_sequential, build_te,
-                           copy_into_ours, forced_forward, frozen, gemm_impl, graph_step,
-                           guarded_build, init_megatron, lora_agreement, lora_impl,
-                           lora_wrappers, make_config, measure, module_impl, raw_pair_impl,
-                           rel_err)
+from experts_impls import (
+    DENSE,
+    EAGER_ACT,
+    FUSED,
+    GEMMS,
+    GROUPED,
+    LEGACY,
+    LORA_FUSED,
+    LORA_GROUPED,
+    OURS_CPU,
+    OURS_GPU,
+    OURS_GRAPH,
+    RAW,
+    REPO_ROOT,
+    SEQUENTIAL,
+    TE,
+    build_legacy,
+    build_sequential,
+    build_te,
+    copy_into_ours,
+    forced_forward,
+    frozen,
+    gemm_impl,
+    graph_step,
+    guarded_build,
+    init_megatron,
+    lora_agreement,
+    lora_impl,
+    lora_wrappers,
+    make_config,
+    measure,
+    module_impl,
+    raw_pair_impl,
+    rel_err,
+)
 from experts_report import plots, report_body, to_json
 from harness import Meter, guarded, header, write_report
 from shapes import ROUTINGS, SHAPES, SWEEP, TINY_SHAPES, make_splits
@@ -158,7 +186,7 @@ class ShapeBench:
                 name, module, x, splits, probs, gy) if not isinstance(module, str) else module))
         rows = []
         for name, make in impls:
-            row = guarded(name, lambda: self.row(make(), name, reference, full))
+            row = guarded(name, lambda: self.row(make(), name, reference, full))  # noqa: B023 - called at once
             rows.append(row)
             self.progress(shape, routing, config.num_moe_experts, row)
         if full and args.lora_rank and self.meter.cuda:
@@ -312,7 +340,7 @@ def main():
         config, ours, seq = bench.build(shape, shape.experts, packing[name])
         extras = {TE: guarded_build(build_te, config, pg, ours),
                   LEGACY: guarded_build(build_legacy, config, pg, ours)}
-        dense_row = guarded(DENSE, lambda: bench.dense(shape))
+        dense_row = guarded(DENSE, lambda: bench.dense(shape))  # noqa: B023 - called at once
         graph = {} if meter.cuda else None
         for routing in routings:
             res = bench.routing(shape, routing, config, ours, seq, dense_row, extras, graph)

@@ -60,11 +60,19 @@ def config(phase: str, out: Path, iters: int, expert_adapters: str):
     import torch.nn.functional as F
     from megatron.bridge.models.gpt_provider import GPTModelProvider
     from megatron.bridge.peft.lora import LoRA
-    from megatron.bridge.training.config import (CheckpointConfig, ConfigContainer,
-                                                 DistributedDataParallelConfig, LoggerConfig,
-                                                 MockGPTDatasetConfig, OptimizerConfig, RNGConfig,
-                                                 SchedulerConfig, TokenizerConfig, TrainingConfig,
-                                                 ValidationConfig)
+    from megatron.bridge.training.config import (
+        CheckpointConfig,
+        ConfigContainer,
+        DistributedDataParallelConfig,
+        LoggerConfig,
+        MockGPTDatasetConfig,
+        OptimizerConfig,
+        RNGConfig,
+        SchedulerConfig,
+        TokenizerConfig,
+        TrainingConfig,
+        ValidationConfig,
+    )
 
     experts, train_iters, load, save = PHASES[phase]
     train_iters = {None: iters, "half": iters // 2}.get(train_iters, train_iters)

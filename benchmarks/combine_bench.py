@@ -28,8 +28,18 @@ from pathlib import Path
 
 import torch
 
-from harness import (CPU_ENV, GIB, MIB, Meter, markdown_table, package_module, pyplot,
-                     rerun_with_cpu_env, save_figure, write_report)
+from harness import (
+    CPU_ENV,
+    GIB,
+    MIB,
+    Meter,
+    markdown_table,
+    package_module,
+    pyplot,
+    rerun_with_cpu_env,
+    save_figure,
+    write_report,
+)
 from harness import header as bench_header
 from shapes import COMBINE_SHAPES, TINY_COMBINE_SHAPES
 

@@ -202,9 +202,8 @@ def add_adapters(model, args, expert_adapters: str) -> None:
     """LoRA on TARGETS, base frozen: Megatron-Bridge's (share_expert_adapters from
     `expert_adapters`, "shared" or "per_expert") or ours (BF16 adapters, as Bridge's)."""
     if args.adapters == "bridge":
-        from cpu_support import import_megatron_bridge
-
         import mcore_torch_experts
+        from cpu_support import import_megatron_bridge
 
         import_megatron_bridge()  # the real import with TE; a stand-in without it (CPU)
         mcore_torch_experts.register_with_megatron_bridge()

@@ -2,10 +2,21 @@
 against grouped_mm, the local expert sweep, the one-time packing costs, and the plots.
 """
 
+from experts_impls import (
+    DENSE,
+    EAGER_ACT,
+    FUSED,
+    GEMMS,
+    GROUPED,
+    LORA_FUSED,
+    LORA_GROUPED,
+    OURS_CPU,
+    OURS_GPU,
+    RAW,
+    SEQUENTIAL,
+    step_flops,
+)
 from harness import fmt, pyplot, ratio, save_figure
-from experts_impls import (DENSE, EAGER_ACT, FUSED, GEMMS, GROUPED, LORA_FUSED, LORA_GROUPED,
-                           OURS_CPU, OURS_GPU, RAW,
-                           SEQUENTIAL, step_flops)
 
 
 def table(results):

@@ -22,8 +22,12 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from cpu_support import (describe_layers, training_step_loss, init_single_process_megatron,
-                         shutdown_megatron)
+from cpu_support import (
+    describe_layers,
+    init_single_process_megatron,
+    shutdown_megatron,
+    training_step_loss,
+)
 from mcore_torch_experts import TorchExpertsTransformerConfig
 from mcore_torch_experts.specs import gpt_transformer_layer_spec
 

@@ -19,8 +19,12 @@ import json
 import torch
 from megatron.core.models.gpt import GPTModel
 
-from cpu_support import (describe_layers, training_step_loss, init_single_process_megatron,
-                         shutdown_megatron)
+from cpu_support import (
+    describe_layers,
+    init_single_process_megatron,
+    shutdown_megatron,
+    training_step_loss,
+)
 from mcore_torch_experts import TorchExpertsTransformerConfig
 from mcore_torch_experts.config import BACKENDS
 from mcore_torch_experts.specs import torch_experts_gpt_spec

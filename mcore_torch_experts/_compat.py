@@ -7,7 +7,6 @@ import inspect
 
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-
 # --- Layer specs -------------------------------------------------------------------------------
 # 0.16/0.17: the MoE mlp spec is ModuleSpec(module=MoELayer, submodules=MoESubmodules(...)).
 # 0.18+:     it is functools.partial(MoELayer, submodules=MoESubmodules(...)).
@@ -95,7 +94,9 @@ def megatron_hybrid_stack_spec():
     try:
         from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
     except ImportError:  # before 0.18
-        from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec as hybrid_stack_spec
+        from megatron.core.models.mamba.mamba_layer_specs import (
+            mamba_stack_spec as hybrid_stack_spec,
+        )
     return hybrid_stack_spec
 
 

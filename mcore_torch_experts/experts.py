@@ -11,8 +11,8 @@ import weakref
 from typing import Callable, List, Optional
 
 import torch
-from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import (
     _initialize_affine_weight_cpu,
     set_tensor_model_parallel_attributes,
@@ -34,8 +34,12 @@ from megatron.core.utils import get_pg_rank, get_pg_size
 from . import _compat
 from .config import TorchExpertsConfigError, validate_torch_experts_config
 from .grouped_gemm import Splits, find_grouped_mm, frozen_grouped_linear, group_offsets
-from .kernel_choice import (choose_expert_kernel, fused_activation_available, fused_adapter,
-                            fused_gemm_obstacle)
+from .kernel_choice import (
+    choose_expert_kernel,
+    fused_activation_available,
+    fused_adapter,
+    fused_gemm_obstacle,
+)
 from .packing import PackedExpertWeights
 
 ON_BUILD: List[Callable[[], None]] = []

@@ -27,9 +27,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from . import _compat
 from .config import (
     check_backend,
-    refuse_unrecorded_settings,
     refuse_spec_arguments,
     refuse_transformer_impl,
+    refuse_unrecorded_settings,
     refuse_unsupported_flags,
     validate_fp32_combine_config,
     validate_torch_experts_config,

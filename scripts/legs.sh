@@ -36,6 +36,9 @@ AUTOMODEL_VERSION=0.7.0
 # its MoE experts module imports torch, triton and packaging, and its BackendConfig transformers
 # (above), for tests/test_automodel.py (install_fp32_combine on its GroupedExperts).
 AUTOMODEL_LIGHT_DEPS="packaging"
+# The lint (run_tests.sh's first step, once per run; its rules are pyproject.toml's [tool.ruff]):
+# ruff, pinned, installed into the venv of the run's first leg.
+RUFF_VERSION=0.17.6
 
 leg_python_version() {  # leg -> the Python version it runs on
   case "$1" in
@@ -82,9 +85,35 @@ leg_missing_archives() {  # leg -> the source archives it needs that are not the
   done
 }
 
+make_venv() {  # leg -> makes its venv where there is none; returns 2 when its interpreter is
+  # missing
+  local leg=$1 version venv python
+  version=$(leg_python_version "$leg")
+  venv=$(leg_venv "$leg")
+  [ -x "$venv/bin/python" ] && return 0
+  python=$(find_python "$version")
+  if [ -z "$python" ]; then
+    echo "[setup $leg] no Python $version interpreter (looked for python$version on PATH and under pyenv)"
+    return 2
+  fi
+  echo "[setup $leg] creating $venv with $python"
+  "$python" -m venv --system-site-packages "$venv"
+}
+
+setup_lint() {  # leg -> ruff==$RUFF_VERSION in the leg's venv (made where missing); returns 2
+  # when the leg's interpreter is missing
+  local leg=$1 venv
+  make_venv "$leg" || return $?
+  venv=$(leg_venv "$leg")
+  if [ "$("$venv/bin/ruff" --version 2>/dev/null)" != "ruff $RUFF_VERSION" ]; then
+    echo "[setup lint] installing ruff==$RUFF_VERSION into $venv"
+    "$venv/bin/python" -m pip install -q "ruff==$RUFF_VERSION" || return 1
+  fi
+}
+
 setup_leg() {  # leg -> makes its environment; returns 2 when its interpreter is missing, 3 when
   # its source archives are
-  local leg=$1 version venv python target missing
+  local leg=$1 version venv target missing
   version=$(leg_python_version "$leg")
   venv=$(leg_venv "$leg")
   missing=$(leg_missing_archives "$leg")
@@ -92,15 +121,7 @@ setup_leg() {  # leg -> makes its environment; returns 2 when its interpreter is
     echo "[setup $leg] source archives not found (set MCORE_TORCH_EXPERTS_STACK_DIR): $missing"
     return 3
   fi
-  if [ ! -x "$venv/bin/python" ]; then
-    python=$(find_python "$version")
-    if [ -z "$python" ]; then
-      echo "[setup $leg] no Python $version interpreter (looked for python$version on PATH and under pyenv)"
-      return 2
-    fi
-    echo "[setup $leg] creating $venv with $python"
-    "$python" -m venv --system-site-packages "$venv"
-  fi
+  make_venv "$leg" || return $?
   if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
     echo "[setup $leg] installing torch==$TORCH_VERSION into $venv"
     "$venv/bin/python" -m pip install -q "torch==$TORCH_VERSION"

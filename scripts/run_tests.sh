@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The whole test suite (unit, distributed under torchrun, CPU benchmark smoke tests), once per
 # megatron-core release the README names: 0.16.1 on Python 3.11; 0.17.1, 0.18.2 and 0.19.2 on
-# Python 3.12 (scripts/legs.sh). Arguments go to pytest.
+# Python 3.12 (scripts/legs.sh). Arguments go to pytest. First, once per run, the lint: ruff
+# (pinned in scripts/legs.sh, rules in pyproject.toml) over the tree; findings fail the run, the
+# legs still run.
 #   MCORE_TORCH_EXPERTS_LEGS="0.19.2" bash scripts/run_tests.sh tests/test_experts.py
 # A leg whose Python is missing is skipped with the reason, except under CI (CI=true), where it
-# fails. Ends with one line per leg and the total.
+# fails. Ends with the lint's line, one line per leg and the total.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/legs.sh
@@ -12,6 +14,28 @@ legs=${MCORE_TORCH_EXPERTS_LEGS:-$LEGS_ALL}
 status=0
 summary=()
 passed=0 failed=0 skipped=0
+
+read -r lint_leg _ <<<"$legs"
+echo "===== lint: ruff $RUFF_VERSION (in $(leg_venv "$lint_leg")) ====="
+setup_lint "$lint_leg"
+rc=$?
+if [ $rc -eq 2 ] && [ "${CI:-}" != true ]; then
+  lint_line="lint: SKIPPED (no Python $(leg_python_version "$lint_leg") interpreter)"
+elif [ $rc -ne 0 ]; then
+  lint_line="lint: FAILED to set up ruff $RUFF_VERSION (exit $rc)"
+  status=1
+else
+  # --no-cache: nothing written into the tree.
+  "$(leg_venv "$lint_leg")/bin/ruff" check --no-cache .
+  rc=$?
+  if [ $rc -eq 0 ]; then
+    lint_line="lint: ruff $RUFF_VERSION, clean"
+  else
+    lint_line="lint: FAILED, ruff $RUFF_VERSION found problems (output above; exit $rc)"
+    status=1
+  fi
+fi
+
 for leg in $legs; do
   start=$SECONDS
   echo "===== leg: megatron-core $leg, Python $(leg_python_version "$leg") ====="
@@ -44,7 +68,8 @@ for leg in $legs; do
   [ $rc -eq 0 ] || status=1
 done
 echo
-echo "===== legs ====="
+echo "===== lint and legs ====="
+echo "$lint_line"
 printf '%s\n' "${summary[@]}"
 echo "total: $passed passed, $failed failed, $skipped skipped"
 exit $status

@@ -18,10 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 sys.path.insert(0, str(Path(__file__).parent))
+import hf_roundtrip as example  # noqa: E402
 from cpu_support import import_megatron_bridge, init_single_process_megatron  # noqa: E402
 from doc_snippets import run_snippet, snippet  # noqa: E402
-import hf_roundtrip as example  # noqa: E402
-
 
 
 def experts_classes(model) -> list:

@@ -30,9 +30,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-from cpu_support import (import_megatron_bridge, import_megatron_bridge_checkpointing,  # noqa: E402
-                         init_single_process_megatron)
 import hf_roundtrip as example  # noqa: E402
+from cpu_support import (  # noqa: E402
+    import_megatron_bridge,
+    import_megatron_bridge_checkpointing,
+    init_single_process_megatron,
+)
 from doc_snippets import run_snippet  # noqa: E402
 
 LAYOUTS = {  # Bridge LoRA arguments of each expert-adapter layout
@@ -90,8 +93,6 @@ def reload_megatron(path: Path):
 
 def measure(out: Path, layout: str, tokens: torch.Tensor) -> dict:
     from megatron.bridge import AutoBridge
-
-    from megatron.bridge.peft.lora import LoRA
     from megatron.bridge.training import checkpointing, setup
     from megatron.bridge.training.model_load_save import load_model_config, save_megatron_model
 

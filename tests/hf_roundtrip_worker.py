@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-from cpu_support import import_megatron_bridge, init_single_process_megatron  # noqa: E402
 import hf_roundtrip as example  # noqa: E402
+from cpu_support import import_megatron_bridge, init_single_process_megatron  # noqa: E402
 
 
 def expert_weights_match(model, original, config) -> bool:

@@ -33,6 +33,7 @@ from nemo_automodel.components.moe.config import MoEConfig  # noqa: E402
 from nemo_automodel.components.moe.experts import GroupedExperts, GroupedExpertsDeepEP  # noqa: E402
 from nemo_automodel.components.moe.layers import MoE  # noqa: E402
 
+from doc_snippets import DOCS, run_snippet  # noqa: E402
 from mcore_torch_experts import automodel, combine  # noqa: E402
 from mcore_torch_experts.automodel import (  # noqa: E402
     AutomodelCombineError,
@@ -40,8 +41,6 @@ from mcore_torch_experts.automodel import (  # noqa: E402
     remove_combine,
 )
 from mcore_torch_experts.combine import fp32_combine  # noqa: E402
-
-from doc_snippets import DOCS, run_snippet  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS, HIDDEN, FFN, EXPERTS, TOP_K = 40, 64, 24, 8, 3

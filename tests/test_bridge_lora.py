@@ -9,8 +9,12 @@ import torch
 from megatron.core.models.gpt import GPTModel
 
 from bridge_support import import_bridge_peft
-from mcore_torch_experts import (TorchExpertsTransformerConfig, TorchGroupedLinear, TorchGroupedMLP,
-                                 register_with_megatron_bridge)
+from mcore_torch_experts import (
+    TorchExpertsTransformerConfig,
+    TorchGroupedLinear,
+    TorchGroupedMLP,
+    register_with_megatron_bridge,
+)
 from mcore_torch_experts.bridge import _ORIGINAL, merge_bridge_lora
 from mcore_torch_experts.specs import get_gpt_decoder_block_spec
 from reference import make_config, rel_err
@@ -348,7 +352,8 @@ def test_adapter_only_distributed_checkpoint_round_trip(bridge, megatron_cpu_tra
 
     models, pefts = [], []
     for seed in (0, 0):
-        model, peft = gpt("torch"), bridge["LoRA"](target_modules=TARGETS, dim=8, **LAYOUTS[layout])
+        model = gpt("torch", seed=seed)
+        peft = bridge["LoRA"](target_modules=TARGETS, dim=8, **LAYOUTS[layout])
         peft(model)
         peft.set_params_to_save(model)
         models.append(model), pefts.append(peft)
@@ -421,8 +426,8 @@ def test_merge_folds_expert_adapters_into_the_packed_weights(bridge, megatron_wo
 @pytest.mark.parametrize("method", ["uniform", "block"])
 def test_full_recompute_with_both_guards_trains_every_adapter(bridge, megatron_cpu_training, method,
                                                               layout):
-    from mcore_torch_experts.recompute import _ORIGINAL_FORWARD
     from mcore_torch_experts.model import build_gpt_model
+    from mcore_torch_experts.recompute import _ORIGINAL_FORWARD
 
     grads = []
     for recompute in (None, method):

@@ -19,8 +19,17 @@ from mcore_torch_experts import TorchExpertsConfigError, TorchGroupedMLP, _compa
 from mcore_torch_experts.convert import ConversionSummary, convert_experts_to_torch
 from mcore_torch_experts.lora import apply_lora, lora_parameters
 from reference import rel_err
-from tiny_gpt import (HIDDEN, MOE_FFN, MOE_LAYERS, NUM_EXPERTS, forward_backward, freeze_experts,
-                      gpt, sequential_to_grouped, tiny_config)
+from tiny_gpt import (
+    HIDDEN,
+    MOE_FFN,
+    MOE_LAYERS,
+    NUM_EXPERTS,
+    forward_backward,
+    freeze_experts,
+    gpt,
+    sequential_to_grouped,
+    tiny_config,
+)
 
 EXPERTS = [f"decoder.layers.{layer}.mlp.experts" for layer in MOE_LAYERS]
 # fc1 [2F, H] (SwiGLU) and fc2 [H, F] per expert, bf16.

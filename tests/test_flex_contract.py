@@ -14,8 +14,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mcore_torch_experts import TorchExpertsConfigError, TorchExpertsTransformerConfig, TorchGroupedMLP
-from mcore_torch_experts import _compat
+from mcore_torch_experts import (
+    TorchExpertsConfigError,
+    TorchExpertsTransformerConfig,
+    TorchGroupedMLP,
+    _compat,
+)
 from reference import copy_weights_to_sequential, fp64_experts, make_config, rel_err, sequential_mlp
 
 NUM_EXPERTS, HIDDEN, TOPK = 4, 32, 2
@@ -401,8 +405,10 @@ def test_supported_flex_configs_build(megatron_cpu, backend):
 
 def te_grouped_mlp_with_weights_of(experts, pg):
     """Megatron's TEGroupedMLP (TE grouped linears, no op fuser) holding `experts`' weights."""
-    from megatron.core.extensions.transformer_engine import (TEColumnParallelGroupedLinear,
-                                                             TERowParallelGroupedLinear)
+    from megatron.core.extensions.transformer_engine import (
+        TEColumnParallelGroupedLinear,
+        TERowParallelGroupedLinear,
+    )
     from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
 
     config = make_config(hidden=HIDDEN, num_experts=NUM_EXPERTS, moe_router_topk=TOPK,

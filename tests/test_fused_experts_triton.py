@@ -397,7 +397,7 @@ def test_torch_grouped_mlp_fused_gemm_with_adapters_matches_grouped_mm(megatron_
         base = getattr(experts, linear)
         setattr(experts, linear, LoRALinear(base, _adapter(kind, base, rank=8)))
     with torch.no_grad():
-        for name, p in lora_parameters(experts).items():
+        for p in lora_parameters(experts).values():
             p.normal_(std=0.3)  # B starts at zero
     splits = [13, 0, 41, 6]
     rows = sum(splits)

@@ -19,8 +19,16 @@ from mcore_torch_experts.lora import apply_lora, lora_parameters
 from mcore_torch_experts.recompute import install_frozen_input_guard
 from tiny_gpt import HYBRID_PATTERN as PATTERN
 from tiny_gpt import LORA_TARGETS as TARGETS
-from tiny_gpt import (NUM_EXPERTS, assert_same_outputs, batch, experts_modules, hybrid_model,
-                      needs_hybrid_recompute, sequential_to_grouped, tiny_config)
+from tiny_gpt import (
+    NUM_EXPERTS,
+    assert_same_outputs,
+    batch,
+    experts_modules,
+    hybrid_model,
+    needs_hybrid_recompute,
+    sequential_to_grouped,
+    tiny_config,
+)
 
 LOGITS_TOL, GRAD_TOL = 1e-3, 1e-2  # as tests/test_specs.py: same weights, same math
 

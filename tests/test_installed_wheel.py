@@ -38,8 +38,8 @@ import pytest
 
 import mcore_torch_experts
 from doc_snippets import PUBLISHED, snippets
-from megatron_lm_worker import documented_flags
 from mcore_torch_experts import specs
+from megatron_lm_worker import documented_flags
 from test_launchers import LAUNCHER_ENTRY_POINTS
 
 TESTS = Path(__file__).parent

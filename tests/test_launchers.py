@@ -21,14 +21,25 @@ from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mcore_torch_experts import (TorchExpertsConfigError, TorchExpertsTransformerConfig,
-                                 TorchGroupedMLP, _compat, specs)
-from mcore_torch_experts.moe_layer import FP32CombineMoELayer
 from bridge_support import import_bridge_peft, run_worker
+from mcore_torch_experts import (
+    TorchExpertsConfigError,
+    TorchExpertsTransformerConfig,
+    TorchGroupedMLP,
+    _compat,
+    specs,
+)
+from mcore_torch_experts.moe_layer import FP32CombineMoELayer
 from reference import rel_err
 from test_specs import GRAD_TOL, LOGITS_TOL, experts_class, mlp_kinds, plain_config, spec_structure
-from tiny_gpt import (assert_experts_built_frozen, forward_backward, freeze_experts, gpt,
-                      sequential_to_grouped, tiny_config)
+from tiny_gpt import (
+    assert_experts_built_frozen,
+    forward_backward,
+    freeze_experts,
+    gpt,
+    sequential_to_grouped,
+    tiny_config,
+)
 
 
 def with_torch_experts_in_moe_layers(structure):

@@ -7,8 +7,8 @@ import functools
 import inspect
 import re
 
-import pytest
 import megatron.core
+import pytest
 import torch
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -21,8 +21,16 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mcore_torch_experts import TorchExpertsConfigError, TorchGroupedMLP, _compat, specs
 from reference import rel_err
-from tiny_gpt import (MOE_LAYER_FREQ, MOE_LAYERS, NUM_EXPERTS, forward_backward, freeze_experts,
-                      gpt, sequential_to_grouped, tiny_config)
+from tiny_gpt import (
+    MOE_LAYER_FREQ,
+    MOE_LAYERS,
+    NUM_EXPERTS,
+    forward_backward,
+    freeze_experts,
+    gpt,
+    sequential_to_grouped,
+    tiny_config,
+)
 
 # Same weights, same math: only the expert GEMM kernels differ (equal on the CPU). Tight enough
 # to notice one expert of one layer scaled by 1.5 (logits move by 6e-3, gradients by 0.25).

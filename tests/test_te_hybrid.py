@@ -15,8 +15,13 @@ from reference import rel_err
 from te_support import needs_te, te_config
 from tiny_gpt import HYBRID_PATTERN as PATTERN
 from tiny_gpt import LORA_TARGETS as TARGETS
-from tiny_gpt import (assert_same_outputs, batch, experts_modules, hybrid_model,
-                      needs_hybrid_recompute)
+from tiny_gpt import (
+    assert_same_outputs,
+    batch,
+    experts_modules,
+    hybrid_model,
+    needs_hybrid_recompute,
+)
 
 pytestmark = needs_te
 LOGITS_TOL, GRAD_TOL = 1e-2, 5e-2  # BF16: TE's per-expert GEMMs against torch's grouped GEMM

@@ -165,7 +165,6 @@ BRIDGE_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 def bridge():
     """Bridge's PEFT, imported with the real Transformer Engine, taught about TorchGroupedLinear."""
     from bridge_support import import_bridge_peft
-
     from mcore_torch_experts import register_with_megatron_bridge
 
     import_bridge_peft()

@@ -22,8 +22,18 @@ import time
 import torch
 import torch.distributed as dist
 
-from _common import (GlobalWeights, Sizes, base_parser, expert_weight_params, experts_layer,
-                     init_parallel, init_processes, install, te_unavailable, write_result)
+from _common import (
+    GlobalWeights,
+    Sizes,
+    base_parser,
+    expert_weight_params,
+    experts_layer,
+    init_parallel,
+    init_processes,
+    install,
+    te_unavailable,
+    write_result,
+)
 
 PREFIX = "decoder.layers.0.mlp."
 LAYOUTS = {"ep2": dict(ep=2, etp=1), "etp2": dict(ep=1, etp=2), "ep1": dict(ep=1, etp=1)}

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
+
 from mcore_torch_experts.lora import apply_lora
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # a hang fails

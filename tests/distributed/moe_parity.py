@@ -19,10 +19,26 @@ import sys
 import torch
 import torch.distributed as dist
 
-from _common import (GlobalWeights, Sizes, base_parser, expert_weight_params, experts_layer,
-                     global_inputs, group_ranks, init_parallel, init_processes, install,
-                     moe_config, moe_layer, parity_table, reference_moe, rel_err, routing,
-                     te_unavailable, write_result)
+from _common import (
+    GlobalWeights,
+    Sizes,
+    base_parser,
+    expert_weight_params,
+    experts_layer,
+    global_inputs,
+    group_ranks,
+    init_parallel,
+    init_processes,
+    install,
+    moe_config,
+    moe_layer,
+    parity_table,
+    reference_moe,
+    rel_err,
+    routing,
+    te_unavailable,
+    write_result,
+)
 
 CASES = {"swiglu": Sizes(glu=True), "squared_relu": Sizes(glu=False)}
 # Relative L2 errors. The layer runs in bf16 (inputs, weights, expert outputs); the FP64 reference
@@ -120,7 +136,9 @@ def shared_experts_fp32_combine(args, pg, device, overlap, experts="torch"):
         assert isinstance(layer, FP32CombineMoELayer) == fp32
         install(layer, weights, pg, sizes.glu)
         calls = []
-        layer.shared_experts.linear_fc2.register_forward_hook(lambda *args: calls.append(1))
+        # The hook holds this layer's list (not the loop variable, which the next layer rebinds).
+        layer.shared_experts.linear_fc2.register_forward_hook(
+            lambda *args, calls=calls: calls.append(1))
         results[fp32] = run_layer(layer, x, grad_out, {}, fp32)
         fc2_calls[fp32] = len(calls)
     (out, grad), (megatron_out, megatron_grad) = results[True], results[False]
