@@ -26,10 +26,10 @@ dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # a han
 import_megatron_bridge()
 from megatron.bridge.peft.lora import LoRA  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from mcore_torch_experts import merge_bridge_lora, register_with_megatron_bridge  # noqa: E402
+from tp_attention import Attention, gather  # noqa: E402
 
 parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
 apply(megatron_patches(on_cpu=True))
@@ -40,30 +40,9 @@ config = TransformerConfig(num_layers=1, hidden_size=IN, num_attention_heads=2,
                            tensor_model_parallel_size=2, use_cpu_initialization=True,
                            add_bias_linear=False, params_dtype=torch.float32)
 
-
-class Attention(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        init = torch.nn.init.normal_
-        self.linear_qkv = ColumnParallelLinear(IN, HIDDEN, config=config, bias=False,
-                                               init_method=init, gather_output=False)
-        self.linear_proj = RowParallelLinear(HIDDEN, IN, config=config, bias=False,
-                                             init_method=init, input_is_parallel=True,
-                                             skip_bias_add=True)
-
-    def forward(self, x):
-        return self.linear_proj(torch.tanh(self.linear_qkv(x)[0]))[0]
-
-
-def gather(t, dim):
-    parts = [torch.empty_like(t) for _ in range(2)]
-    dist.all_gather(parts, t.contiguous())
-    return torch.cat(parts, dim)
-
-
 torch.manual_seed(0)
 root = torch.nn.Module()
-root.self_attention = Attention()
+root.self_attention = Attention(config, IN, HIDDEN)
 LoRA(target_modules=["linear_qkv", "linear_proj"], dim=DIM, alpha=ALPHA)(root)
 generator = torch.Generator().manual_seed(1 + rank)  # each rank its own shard values
 with torch.no_grad():

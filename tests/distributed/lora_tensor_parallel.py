@@ -14,10 +14,10 @@ import json
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mcore_torch_experts.lora import apply_lora
+from tp_attention import Attention, gather
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # a hang fails
 parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
@@ -27,29 +27,8 @@ config = TransformerConfig(num_layers=1, hidden_size=IN, num_attention_heads=2,
                            tensor_model_parallel_size=2, use_cpu_initialization=True,
                            add_bias_linear=False, params_dtype=torch.float64)
 
-
-class Attention(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        init = torch.nn.init.normal_
-        self.linear_qkv = ColumnParallelLinear(IN, HIDDEN, config=config, bias=False,
-                                               init_method=init, gather_output=False)
-        self.linear_proj = RowParallelLinear(HIDDEN, IN, config=config, bias=False,
-                                             init_method=init, input_is_parallel=True,
-                                             skip_bias_add=True)
-
-    def forward(self, x):
-        return self.linear_proj(torch.tanh(self.linear_qkv(x)[0]))[0]
-
-
-def gather(t, dim):
-    parts = [torch.empty_like(t) for _ in range(2)]
-    dist.all_gather(parts, t.contiguous())
-    return torch.cat(parts, dim)
-
-
 torch.manual_seed(0)
-model = Attention()
+model = Attention(config, IN, HIDDEN)
 apply_lora(model, ["linear_qkv", "linear_proj"], rank=RANK, alpha=ALPHA)
 qkv, proj = model.linear_qkv, model.linear_proj
 with torch.no_grad():  # B is zero at the start; the same random values on every rank, then sharded
