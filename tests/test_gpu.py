@@ -210,6 +210,30 @@ def test_fused_gemm_matches_fp64_and_grouped_mm(megatron_world, case, splits_nam
     assert rel_err(grad_x, results["grouped_mm"][1]) < 1e-2
 
 
+def no_sync_then_graph_replay(step, splits: torch.Tensor):
+    """`step()` once under CUDA's sync debug mode "error", then captured in a CUDA graph (after
+    two warm-ups on a side stream) and replayed with the zero-first-middle-last splits copied
+    into `splits`: (the graph's outputs, an eager `step()`'s outputs after the replay)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    splits.copy_(torch.tensor(SPLITS["zero_first_middle_last"], device="cuda"))
+    graph.replay()
+    return captured, step()
+
+
 def test_fused_gemm_no_sync_and_cuda_graph(megatron_world):
     """Device splits: no host sync in forward or backward; a CUDA graph of forward + backward
     replays the eager result bit for bit, also after other splits (zero-token experts) are
@@ -225,24 +249,7 @@ def test_fused_gemm_no_sync_and_cuda_graph(megatron_world):
         out, _ = experts(*static[:3])
         return out, torch.autograd.grad(out, static[0], static[3])[0]
 
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out, g_grad = step()
-    static[1].copy_(torch.tensor(SPLITS["zero_first_middle_last"], device="cuda"))
-    graph.replay()
-    eager_out, eager_grad = step()
+    (g_out, g_grad), (eager_out, eager_grad) = no_sync_then_graph_replay(step, static[1])
     assert torch.equal(g_out, eager_out) and torch.equal(g_grad, eager_grad)
 
 
@@ -338,24 +345,7 @@ def test_fused_gemm_with_adapters_no_sync_and_cuda_graph(megatron_world):
     def step():
         return _update_pass(experts, adapters, static[0], static[1], static[2], static[3])
 
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    static[1].copy_(torch.tensor(SPLITS["zero_first_middle_last"], device="cuda"))
-    graph.replay()
-    eager = step()
+    captured, eager = no_sync_then_graph_replay(step, static[1])
     assert all(torch.equal(g, e) for g, e in zip(captured, eager))
 
 
