@@ -1,5 +1,5 @@
 """bench_cycle.py's report: per slice, the cycle table (median and range, peak memory per phase,
-GPU idle, throughput against the reference arms), issue 19's targets, the MoE side of the update
+GPU idle, throughput against the reference arms), the RL cycle's targets, the MoE side of the update
 pass against its expert-GEMM kernel time (cycle_profile.moe_side), the update-pass breakdown and
 its plot; the run's header lines; results.md / results.json.
 """
@@ -11,7 +11,7 @@ import cycle_profile as cp
 from harness import fmt, markdown_table, ratio, write_report
 
 REFERENCES = ("te", "te-cutlass", "sequential")  # the speed-up columns, when the arm ran
-TARGETS = {"te": 1.47, "te-cutlass": 1.2}  # issue 19: TorchGroupedMLP's throughput over these
+TARGETS = {"te": 1.47, "te-cutlass": 1.2}  # the RL cycle's targets: TorchGroupedMLP's throughput over these
 MOE_SIDE_TARGET = 1.5  # the MoE side of the update pass over its expert-GEMM kernel time
 # "No higher" peak memory, to the allocator's noise between arms of the same model (the logprob
 # peaks of identical passes differ by up to a few hundred KiB).
@@ -55,7 +55,7 @@ def results_table(rows) -> list:
 
 
 def target_lines(rows) -> list:
-    """Markdown bullets: issue 19's targets (set at the Super-like slice) for each layout where
+    """Markdown bullets: the RL cycle's targets (set at the Super-like slice) for each layout where
     TorchGroupedMLP and a TE arm ran: throughput ratios and peak memory no higher."""
     ran = {(r["arm"], r["layout"], r["adapters"]): r for r in rows if "note" not in r}
     lines = []
