@@ -90,11 +90,15 @@ def load_by_path(name, path):
 
 
 def has_module(name):
-    """Whether `name` can be imported (its parent packages are imported to find out)."""
+    """Whether `name` exists (its parent packages are imported to find out). A parent package
+    that is absent answers False; one that is there but fails to import (a dependency of it
+    missing from the leg) raises, naming what is missing."""
     try:
         return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:  # a parent package is absent
-        return False
+    except ModuleNotFoundError as error:
+        if error.name and (name == error.name or name.startswith(error.name + ".")):
+            return False
+        raise
 
 
 def inside(path, folder):
