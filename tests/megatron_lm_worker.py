@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cpu_support import init_single_process_megatron  # noqa: E402
 from doc_snippets import run_snippet, snippet  # noqa: E402
 from reference import rel_err  # noqa: E402
-from tiny_gpt import sequential_to_grouped  # noqa: E402
+from tiny_gpt import freeze_experts, sequential_to_grouped  # noqa: E402
 
 # A tiny model, plus what a CPU host needs (local modules, CPU initialisation, no fused kernels,
 # no dropout) and the smallest data/tokenizer settings; the flags of docs/enable.md go on top.
@@ -57,9 +57,7 @@ def build(model_cfg):
 
 
 def forward_backward(model, vocab_size):
-    """Logits and the gradients of the non-expert parameters over a frozen expert base."""
-    for name, param in model.named_parameters():
-        param.requires_grad_(".mlp.experts." not in name)
+    """Logits and the gradients of the parameters that require grad."""
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab_size, (2, 17), generator=generator)
     positions = torch.arange(16).expand(2, 16)
@@ -113,7 +111,10 @@ def main(out: Path, result_path: Path) -> None:
                                                 strict=False)
     result["unexpected_keys"] = unexpected
     result["missing_weights"] = [k for k in missing if not k.endswith("_extra_state")]
+    result["trainable_expert_weights"] = [n for n, p in model.named_parameters()
+                                          if ".mlp.experts." in n and p.requires_grad]
     logits, grads = forward_backward(model, args.padded_vocab_size)
+    freeze_experts(reference)  # Megatron's experts, frozen as ours are built
     ref_logits, ref_grads = forward_backward(reference, args.padded_vocab_size)
     result["logits_rel_err"] = rel_err(logits, ref_logits)
     result["grad_names_equal"] = sorted(grads) == sorted(ref_grads)

@@ -258,6 +258,7 @@ def test_megatron_lm_spec_flag_builds_torch_experts_from_parsed_arguments(megatr
     assert megatron_lm["transformer_config_class"] == "TransformerConfig"  # no backend field
     assert megatron_lm["experts"] == ["TorchGroupedMLP", "TorchGroupedMLP"]
     assert megatron_lm["reference_experts"] == ["SequentialMLP", "SequentialMLP"]
+    assert megatron_lm["trainable_expert_weights"] == []  # built frozen, nothing else freezes them
 
 
 def test_megatron_lm_model_computes_what_megatrons_own_spec_computes(megatron_lm):
