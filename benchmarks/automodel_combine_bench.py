@@ -116,7 +116,7 @@ def variants(automodel, chunk_rows, triton_note):
 
 def triton_status(device):
     try:
-        combine_triton = package_module("combine_triton")
+        combine_triton = package_module("kernels.combine_triton")
     except ImportError as error:
         return f"skipped: triton not importable ({error})"
     if device.type == "cuda":

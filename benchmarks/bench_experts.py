@@ -10,7 +10,7 @@ BF16 weights:
     kernels forced to fused_gemm and to grouped_mm; their step is the update pass (adapter
     gradients included);
   - TorchGroupedMLP with its activation x probs forced to eager torch ops (what the fused Triton
-    kernel, `activation_impl == "fused"`, saves);
+    kernel, `kernels.activation == "fused"`, saves);
   - the raw grouped_mm pair written with plain torch ops (no module, no autograd), and its four
     GEMMs alone;
   - the dense GEMMs of the same FLOPs: the ceiling;

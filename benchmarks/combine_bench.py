@@ -161,7 +161,7 @@ INTERPRETED = "interpreted (TRITON_INTERPRET=1): checked, not timed or measured"
 
 def triton_status(device):
     try:
-        from mcore_torch_experts import combine_triton
+        from mcore_torch_experts.kernels import combine_triton
     except ImportError as error:
         return f"skipped: triton not importable ({error})"
     if device.type == "cuda":

@@ -248,14 +248,16 @@ def graph_step(ours, x, splits, probs, gy):
 
 def forced_forward(mlp, x, splits, probs, kernel, activation=None):
     """TorchGroupedMLP with its expert kernels forced to `kernel` ("fused_gemm" raises where it
-    cannot run) and, when given, its activation_impl (grouped_mm path) forced too."""
-    saved = mlp.expert_kernel_setting, mlp.expert_kernel_impl, mlp.activation_impl
-    mlp.expert_kernel_setting = mlp.expert_kernel_impl = kernel
-    mlp.activation_impl = activation or mlp.activation_impl
+    cannot run) and, when given, its activation (grouped_mm path: "fused" or "eager") forced
+    too."""
+    from mcore_torch_experts.kernels.choice import KernelChoice
+
+    saved = mlp.kernels
+    mlp.kernels = KernelChoice(kernel, kernel, activation or saved.activation)
     try:
         return mlp(x, splits, probs)[0]
     finally:
-        mlp.expert_kernel_setting, mlp.expert_kernel_impl, mlp.activation_impl = saved
+        mlp.kernels = saved
 
 
 def lora_wrappers(mlp, kind: str, rank: int, alpha: float, seed: int):

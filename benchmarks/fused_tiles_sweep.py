@@ -37,16 +37,20 @@ def main():
     parser.add_argument("--shapes", default="super-ep4,qwen3-30b,nano")
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
-    from mcore_torch_experts import activation_triton as act_kernels
+    from megatron.core.activations import squared_relu
+
     from mcore_torch_experts import find_grouped_mm
-    from mcore_torch_experts import fused_experts_triton as fused
+    from mcore_torch_experts.kernels import activation_triton as act_kernels
+    from mcore_torch_experts.kernels import fused_experts_triton as fused
+    from mcore_torch_experts.kernels.choice import KERNEL_ACTIVATIONS
 
     device = torch.device("cuda", 0)
     gmm = find_grouped_mm().fn
     rows_out = []
     for name in args.shapes.split(","):
         shape = SHAPES[name]
-        act = fused.SQUARED_RELU if shape.activation == "squared_relu" else fused.SILU
+        act = KERNEL_ACTIVATIONS[squared_relu if shape.activation == "squared_relu"
+                                 else torch.nn.functional.silu]
         width = shape.ffn * (2 if shape.glu else 1)
         w1 = (torch.randn(shape.experts, width, shape.hidden, device=device) * 0.02).bfloat16()
         w2 = (torch.randn(shape.experts, shape.hidden, shape.ffn, device=device) * 0.02).bfloat16()

@@ -12,7 +12,7 @@ from .config import (
 )
 from .convert import ConversionSummary, convert_experts_to_torch
 from .experts import TorchGroupedLinear, TorchGroupedMLP
-from .grouped_gemm import find_grouped_mm, frozen_grouped_linear, group_offsets
+from .kernels.grouped_gemm import find_grouped_mm, frozen_grouped_linear, group_offsets
 from .lora import LoRALinear, apply_lora, load_lora_state_dict, lora_parameters, lora_state_dict
 from .model import build_gpt_model, build_moe_layer
 from .moe_layer import FP32CombineMoELayer

@@ -37,7 +37,7 @@ from megatron.core.utils import get_pg_size
 
 from . import experts
 from .experts import TorchGroupedLinear
-from .grouped_gemm import Splits, group_offsets
+from .kernels.grouped_gemm import Splits, group_offsets
 
 _ORIGINAL = "__torch_experts_original__"
 _ATTRIBUTES_FUNCTION = "get_adapter_attributes_from_linear"

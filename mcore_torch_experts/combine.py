@@ -69,7 +69,7 @@ def fp32_combine(expert_out: torch.Tensor, token_ids: torch.Tensor, num_tokens: 
     if chunk_rows is None:
         chunk_rows = chunk_rows_from_env()
     if _resolve_backend(backend, expert_out) == "triton":
-        from .combine_triton import triton_fp32_combine
+        from .kernels.combine_triton import triton_fp32_combine
 
         return triton_fp32_combine(expert_out, token_ids, num_tokens, probs)
     token_ids = token_ids.long()
@@ -169,7 +169,7 @@ def _resolve_backend(backend: Optional[str], expert_out: torch.Tensor) -> str:
 
 def _triton_importable() -> bool:
     try:
-        from . import combine_triton  # noqa: F401
+        from .kernels import combine_triton  # noqa: F401
     except ImportError:
         return False
     return True
@@ -177,7 +177,7 @@ def _triton_importable() -> bool:
 
 def _check_triton_can_run(expert_out: torch.Tensor) -> None:
     try:
-        from . import combine_triton
+        from .kernels import combine_triton
     except ImportError as error:
         raise RuntimeError(f"backend='triton' needs the triton package: {error}") from error
     if expert_out.is_cuda:

@@ -9,15 +9,12 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from . import _compat
+from .errors import TorchExpertsConfigError
+from .kernels.choice import check_expert_kernel
 
 BACKENDS = ("transformer_engine", "torch")
-EXPERT_KERNELS = ("auto", "fused_gemm", "grouped_mm")  # moe_expert_kernel
 MAX_LOCAL_EXPERTS = 1023  # grouped GEMM's CUTLASS path takes fewer than 1024 groups
 ALIGN_ELEMENTS = 8  # 16-byte strides for bf16 operands
-
-
-class TorchExpertsConfigError(ValueError):
-    """A setting that TorchGroupedMLP cannot honour; the message names the field and the fix."""
 
 
 def _refuse(field: str, value, fix: str, setting: str = "moe_expert_gemm_backend='torch'") -> None:
@@ -260,32 +257,6 @@ def validate_torch_experts_config(config: TransformerConfig, ep_size: Optional[i
     _check_shapes(config, ep, etp)
 
 
-def fused_gemm_unsupported(config: TransformerConfig) -> Optional[str]:
-    """None when the fused GEMM kernels compute this config, else why not."""
-    try:
-        from .fused_experts_triton import covers
-    except ImportError as exc:
-        return f"triton is not importable ({exc})"
-    if not covers(config):
-        return (f"they compute squared ReLU or SiLU (gated or not) with the probs applied after "
-                f"the activation; this config has activation_func={config.activation_func!r}, "
-                f"moe_apply_probs_on_input={config.moe_apply_probs_on_input}")
-    return None
-
-
-def check_expert_kernel(config: TransformerConfig) -> None:
-    """Refuse a `moe_expert_kernel` (absent reads "auto") that is not a kernel choice, or a
-    forced "fused_gemm" the fused kernels cannot compute, with a TorchExpertsConfigError. Runs
-    when a TorchExpertsTransformerConfig is built and when TorchGroupedMLP resolves its kernel."""
-    setting = getattr(config, "moe_expert_kernel", "auto")
-    if setting not in EXPERT_KERNELS:
-        raise TorchExpertsConfigError(f"moe_expert_kernel={setting!r} is not a kernel choice: "
-                                      f"set it to one of {EXPERT_KERNELS}.")
-    if setting == "fused_gemm" and (reason := fused_gemm_unsupported(config)) is not None:
-        raise TorchExpertsConfigError(f"moe_expert_kernel='fused_gemm' cannot run: {reason}. "
-                                      "Set moe_expert_kernel='grouped_mm' or 'auto'.")
-
-
 COMBINE_DISPATCHERS = ("allgather", "alltoall")
 
 
@@ -324,9 +295,10 @@ class TorchExpertsTransformerConfig(TransformerConfig):
 
     moe_expert_kernel: str = "auto"
     """TorchGroupedMLP's kernels: "grouped_mm" (four grouped_mm GEMMs, the activation between),
-    "fused_gemm" (Triton grouped GEMMs with the activation and probs in their epilogues; an error
-    where it cannot run) or "auto" (fused_gemm only on GPUs where it measured faster, and only
-    while the expert linears carry no adapters)."""
+    "fused_gemm" (Triton grouped GEMMs with the activation, probs and this package's LoRA adapters
+    in their epilogues; an error where it cannot run) or "auto" (fused_gemm on GPUs where it
+    measured faster, for non-gated activations; a call it cannot compute takes grouped_mm). The
+    values: `mcore_torch_experts.kernels.choice.ExpertKernel`."""
 
     moe_combine_in_fp32: bool = False
     """Sum each token's top-k expert outputs in FP32 with bounded memory (FP32CombineMoELayer in

@@ -32,14 +32,16 @@ from megatron.core.transformer.utils import (
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from . import _compat
-from .config import TorchExpertsConfigError, validate_torch_experts_config
-from .grouped_gemm import Splits, find_grouped_mm, frozen_grouped_linear, group_offsets
-from .kernel_choice import (
-    choose_expert_kernel,
-    fused_activation_available,
+from .config import validate_torch_experts_config
+from .errors import TorchExpertsConfigError
+from .kernels.choice import (
+    ActivationImpl,
+    ExpertKernel,
     fused_adapter,
     fused_gemm_obstacle,
+    resolve_kernels,
 )
+from .kernels.grouped_gemm import Splits, find_grouped_mm, frozen_grouped_linear, group_offsets
 from .packing import PackedExpertWeights
 
 ON_BUILD: List[Callable[[], None]] = []
@@ -62,8 +64,8 @@ def experts_summary() -> str:
     gib = sum(linear.packed_weight.numel() * linear.packed_weight.element_size()
               for linear in linears) / 2**30
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    kernels = sorted({f"{m.grouped_mm_name}, expert kernel {m.expert_kernel_impl}, "
-                      f"activation {m.activation_impl}" for m in modules})
+    kernels = sorted({f"{m.grouped_mm_name}, expert kernel {m.kernels.expert_kernel}, "
+                      f"activation {m.kernels.activation}" for m in modules})
     return (f"mcore_torch_experts: rank {rank} runs TorchGroupedMLP experts in {len(modules)} "
             f"MoE layer(s): {len(weights)} expert weights ({gib:.2f} GiB packed), {frozen} of them "
             f"frozen; {'; '.join(kernels)}")
@@ -269,17 +271,14 @@ class TorchGroupedMLP(MegatronModule):
         self.grouped_mm_name = self.linear_fc1.grouped_mm_name
         for hook in ON_BUILD:
             hook()
-        self.activation_impl = "fused" if fused_activation_available(config) else "eager"
-        """"fused": activation x probs in one Triton kernel on CUDA tensors; "eager": torch ops
-        (always on the CPU; on CUDA when triton is missing or the activation is not covered)."""
-        self.expert_kernel_setting = getattr(config, "moe_expert_kernel", "auto")
-        self.expert_kernel_impl = choose_expert_kernel(config)
-        """"fused_gemm": fc1 with activation x probs in its epilogue and fc2's input gradient with
-        the activation's backward in its epilogue (Triton, fused_experts_triton.py), fc2 forward and
-        fc1's input gradient on grouped_mm, a LoRA adapter of ours on either linear in the same
-        kernels (kernel_choice.fused_gemm_obstacle names what is not); "grouped_mm": four
-        grouped_mm GEMMs with the activation between them (`activation_impl`), adapters called
-        as modules. Resolved from `moe_expert_kernel` at construction."""
+        self.kernels = resolve_kernels(config)
+        """The kernels this module runs (kernels/choice.py), resolved from `moe_expert_kernel`
+        and the config's activation at construction: "fused_gemm", fc1 with activation x probs
+        in its epilogue and fc2's input gradient with the activation's backward in its epilogue,
+        a LoRA adapter of ours on either linear in the same kernels (`fused_gemm_obstacle` names
+        what is not); "grouped_mm", four grouped_mm GEMMs with the activation between them
+        (one Triton kernel on CUDA where `kernels.activation` is "fused", torch ops otherwise),
+        adapters called as modules."""
         _BUILT.add(self)
 
     def activation(self, fc1_out: torch.Tensor) -> torch.Tensor:
@@ -320,8 +319,8 @@ class TorchGroupedMLP(MegatronModule):
         if self._runs_fused_gemm(hidden):
             return self._fused_forward(hidden, tokens_per_expert, permuted_probs), None
         fc1_out, _ = self.linear_fc1(hidden, tokens_per_expert)
-        if self.activation_impl == "fused" and fc1_out.is_cuda:
-            from .activation_triton import fused_activation_probs
+        if self.kernels.activation == ActivationImpl.FUSED and fc1_out.is_cuda:
+            from .kernels.activation_triton import fused_activation_probs
 
             act = fused_activation_probs(self.config, fc1_out, permuted_probs)
         else:
@@ -333,7 +332,7 @@ class TorchGroupedMLP(MegatronModule):
 
     def _fused_forward(self, hidden, tokens_per_expert, permuted_probs):
         """The fused GEMM path: the packed weights, and the LoRA term of each linear's adapter."""
-        from .fused_experts_triton import LoRATerm, check_lora, fused_experts
+        from .kernels.fused_experts_triton import LoRATerm, check_lora, fused_experts
 
         bases, terms = [], []
         for linear in (self.linear_fc1, self.linear_fc2):
@@ -354,13 +353,13 @@ class TorchGroupedMLP(MegatronModule):
                              *terms)
 
     def _runs_fused_gemm(self, hidden: torch.Tensor) -> bool:
-        """Whether this call takes the fused GEMM path (kernel_choice.fused_gemm_obstacle); a
+        """Whether this call takes the fused GEMM path (kernels.choice.fused_gemm_obstacle); a
         forced "fused_gemm" that cannot run raises."""
-        if self.expert_kernel_impl != "fused_gemm":
+        if self.kernels.expert_kernel != ExpertKernel.FUSED_GEMM:
             return False
         obstacle = fused_gemm_obstacle((self.linear_fc1, self.linear_fc2), TorchGroupedLinear,
                                        hidden)
-        if obstacle is not None and self.expert_kernel_setting == "fused_gemm":
+        if obstacle is not None and self.kernels.setting == ExpertKernel.FUSED_GEMM:
             raise RuntimeError(obstacle)
         return obstacle is None
 

@@ -40,7 +40,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.utils import get_pg_size
 
-from .grouped_gemm import Splits, find_grouped_mm, group_offsets
+from .kernels.grouped_gemm import Splits, find_grouped_mm, group_offsets
 
 EXPERT_ADAPTERS = ("shared", "per_expert")
 PER_EXPERT_RANK_MULTIPLE = 8  # grouped GEMM needs 16-byte strides: bf16 rows of r elements
@@ -73,7 +73,7 @@ class LoRAAdapter(torch.nn.Module):
     `tp_mode` "column"/"row" maps the rank-r activation across `tp_group` (see the module doc).
     """
 
-    FUSED_EXPERT_KERNELS = True  # kernel_choice.declares_fused_expert_kernels
+    FUSED_EXPERT_KERNELS = True  # kernels.choice.declares_fused_expert_kernels
 
     def __init__(self, in_features: int, out_features: int, rank: int, alpha: float,
                  dropout: float, dtype, device, tp_mode: Optional[str] = None, tp_group=None):
@@ -97,7 +97,7 @@ class PerExpertLoRAAdapter(torch.nn.Module):
     """A low-rank pair per local expert: x [T, in] (rows contiguous by expert), tokens_per_expert
     [E] -> [T, out]; the rows of expert e use A[e] [r, in] and B[e] [out, r]."""
 
-    FUSED_EXPERT_KERNELS = True  # kernel_choice.declares_fused_expert_kernels
+    FUSED_EXPERT_KERNELS = True  # kernels.choice.declares_fused_expert_kernels
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, rank: int,
                  alpha: float, dropout: float, dtype, device):
@@ -126,7 +126,7 @@ class LoRALinear(torch.nn.Module):
     (TE with the switch on), `(out, bias, ln_out)`.
     """
 
-    FUSED_EXPERT_KERNELS = True  # kernel_choice.declares_fused_expert_kernels
+    FUSED_EXPERT_KERNELS = True  # kernels.choice.declares_fused_expert_kernels
 
     def __init__(self, to_wrap: torch.nn.Module, adapter: torch.nn.Module):
         super().__init__()

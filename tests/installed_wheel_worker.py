@@ -44,8 +44,8 @@ def main(out_path, inputs):
     # Every module of the installed package imports, or fails for a module outside it (an
     # integration's client this leg lacks: [message, the missing module's name]).
     modules, failed = [], {}
-    for info in pkgutil.iter_modules(mcore_torch_experts.__path__):
-        name = f"mcore_torch_experts.{info.name}"
+    for info in pkgutil.walk_packages(mcore_torch_experts.__path__, "mcore_torch_experts."):
+        name = info.name
         try:
             module = importlib.import_module(name)
         except ImportError as error:

@@ -20,7 +20,8 @@ def fp64(config, h, probs):
 @pytest.mark.triton_interpreter
 def test_fused_activation_matches_fp64_in_the_interpreter():
     pytest.importorskip("triton", reason="triton is not installed: the fused kernel is untested")
-    from mcore_torch_experts.activation_triton import covers, fused_activation_probs
+    from mcore_torch_experts.kernels.activation_triton import fused_activation_probs
+    from mcore_torch_experts.kernels.choice import activation_kernel_not_covered
 
     torch.manual_seed(0)
     cases = [dict(activation="squared_relu", glu=False), dict(activation="silu", glu=True),
@@ -31,7 +32,7 @@ def test_fused_activation_matches_fp64_in_the_interpreter():
              dict(activation="silu", glu=True, ffn=300)]
     for case in cases:
         config = make_config(**case)
-        assert covers(config)
+        assert activation_kernel_not_covered(config) is None
         for rows in (0, 1, 37):
             width = config.moe_ffn_hidden_size * (2 if config.gated_linear_unit else 1)
             h = torch.randn(rows, width).bfloat16().requires_grad_(True)
@@ -54,5 +55,6 @@ def test_fused_activation_matches_fp64_in_the_interpreter():
             for got, want in ((out, ref), (h.grad, h64.grad), (probs.grad, p64.grad)):
                 err = (got.double() - want).abs().max() / want.abs().max()
                 assert err < 2.0 ** -7, (case, rows, float(err))
-    assert not covers(make_config(activation="gelu", glu=False))
-    assert not covers(make_config(activation="silu", glu=True, activation_func_clamp_value=1.0))
+    assert activation_kernel_not_covered(make_config(activation="gelu", glu=False))
+    assert activation_kernel_not_covered(make_config(activation="silu", glu=True,
+                                                     activation_func_clamp_value=1.0))

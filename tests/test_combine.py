@@ -74,7 +74,7 @@ def run_combine(expert_out, token_ids, probs, grad_y, **options):
 def bf16_cast_rel_err(options):
     """The Triton interpreter truncates fp32 -> bf16; torch and the compiled kernel round."""
     if options["backend"] == "triton":
-        from mcore_torch_experts import combine_triton
+        from mcore_torch_experts.kernels import combine_triton
 
         if combine_triton.kernels_are_interpreted():
             return BF16_TRUNC_REL_ERR
@@ -93,7 +93,7 @@ def interpreted_triton():
     skip in an ordinary session; test_triton_tests_pass_under_the_interpreter reruns them in a
     child process started with TRITON_INTERPRET=1."""
     pytest.importorskip("triton", reason="triton is not installed: the fused kernel is untested")
-    from mcore_torch_experts import combine_triton
+    from mcore_torch_experts.kernels import combine_triton
 
     if not combine_triton.kernels_are_interpreted():
         pytest.skip("the Triton interpreter is off in this process; "
@@ -299,7 +299,7 @@ def test_bad_input_raises_value_error(case):
 
 def test_triton_backend_on_cpu_without_interpreter_raises():
     pytest.importorskip("triton", reason="triton is not installed")
-    from mcore_torch_experts import combine_triton
+    from mcore_torch_experts.kernels import combine_triton
 
     if combine_triton.kernels_are_interpreted():
         pytest.skip("the Triton interpreter is on in this process")
@@ -311,7 +311,7 @@ def test_triton_tests_pass_under_the_interpreter():
     """Reruns every triton test of this file in a child process with TRITON_INTERPRET=1 set from
     the start, so the kernels run (interpreted) on the CPU whatever this process imported."""
     pytest.importorskip("triton", reason="triton is not installed: the fused kernel is untested")
-    from mcore_torch_experts import combine_triton
+    from mcore_torch_experts.kernels import combine_triton
 
     if combine_triton.kernels_are_interpreted():
         pytest.skip("this process already runs the triton tests under the interpreter")

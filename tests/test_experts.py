@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from mcore_torch_experts import TorchGroupedMLP, grouped_gemm
+from mcore_torch_experts import TorchGroupedMLP
+from mcore_torch_experts.kernels import grouped_gemm
 from reference import copy_weights_to_sequential, fp64_experts, make_config, rel_err, sequential_mlp
 
 HIDDEN = 32

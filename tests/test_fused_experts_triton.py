@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from mcore_torch_experts import TorchGroupedMLP
-from mcore_torch_experts.kernel_choice import choose_expert_kernel
+from mcore_torch_experts.kernels.choice import (
+    ExpertKernel,
+    KernelChoice,
+    fused_gemm_not_covered,
+    resolve_kernels,
+)
 from mcore_torch_experts.lora import LoRAAdapter, LoRALinear, PerExpertLoRAAdapter
 from reference import fp64_experts, rel_err
 from reference import make_config as _make_config
@@ -26,8 +31,13 @@ def check_clamp_backward(config, x, probs, w1, w2, offs, splits, grad):
     """The interpreter truncates fc1's output to bf16, so which values pass the clamp's bound
     differs from a rounded reference: the backward kernel against FP64 autograd from the h the
     forward kernel saved."""
-    from mcore_torch_experts.activation_triton import SILU
-    from mcore_torch_experts.fused_experts_triton import fc1_activation, fc2_dgrad_activation
+    from mcore_torch_experts.kernels.choice import KERNEL_ACTIVATIONS
+    from mcore_torch_experts.kernels.fused_experts_triton import (
+        fc1_activation,
+        fc2_dgrad_activation,
+    )
+
+    SILU = KERNEL_ACTIVATIONS[torch.nn.functional.silu]
 
     clamp, offset = config.activation_func_clamp_value, config.glu_linear_offset
     _, h = fc1_activation(x, w1, offs, probs, SILU, True, offset, clamp, save_h=True)
@@ -50,8 +60,8 @@ def test_fused_experts_match_fp64_in_the_interpreter():
         pytest.skip("this torch has no CPU grouped_mm for fc2 and fc1's input gradient")
     if torch.cuda.is_available():
         pytest.skip("on a CUDA host the kernels run compiled, on the GPU (tests/test_gpu.py)")
-    from mcore_torch_experts.fused_experts_triton import covers, fused_experts
-    from mcore_torch_experts.grouped_gemm import find_grouped_mm
+    from mcore_torch_experts.kernels.fused_experts_triton import fused_experts
+    from mcore_torch_experts.kernels.grouped_gemm import find_grouped_mm
 
     torch.manual_seed(0)
     E, H, F = 5, 40, 24  # K = 40 is not a multiple of the block: the masked K loop runs
@@ -63,7 +73,7 @@ def test_fused_experts_match_fp64_in_the_interpreter():
     for case in cases:
         config = _make_config(num_experts=E, hidden=H, ffn=F, **case)
         clamped = config.activation_func_clamp_value is not None
-        assert covers(config)
+        assert fused_gemm_not_covered(config) is None
         for splits in ([0, 37, 0, 130, 1], [0, 0, 0, 0, 0], [0, 0, 0, 0, 3]):
             rows = sum(splits)
             offs = torch.tensor(splits).cumsum(0).int()
@@ -92,8 +102,8 @@ def test_fused_experts_match_fp64_in_the_interpreter():
             if clamped:
                 check_clamp_backward(config, x.detach(), probs.detach(), w1, w2, offs, splits,
                                      grad)
-    assert not covers(_make_config(activation="gelu", glu=False))
-    assert not covers(_make_config(activation="silu", glu=False, moe_apply_probs_on_input=True,
+    assert fused_gemm_not_covered(_make_config(activation="gelu", glu=False))
+    assert fused_gemm_not_covered(_make_config(activation="silu", glu=False, moe_apply_probs_on_input=True,
                                    moe_router_topk=1, moe_router_pre_softmax=True))
 
 
@@ -104,12 +114,14 @@ def test_kernel_setting_is_checked():
         TorchExpertsTransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
                                       moe_expert_kernel="nope")
     with pytest.raises(TorchExpertsConfigError, match="moe_expert_kernel='nope' is not a kernel"):
-        choose_expert_kernel(make_config(moe_expert_kernel="nope"))
+        resolve_kernels(make_config(moe_expert_kernel="nope"))
     with pytest.raises(ValueError, match="moe_expert_kernel='fused_gemm' cannot run"):
-        choose_expert_kernel(make_config(activation="gelu", glu=False,
-                                         moe_expert_kernel="fused_gemm"))
-    assert choose_expert_kernel(make_config(moe_expert_kernel="grouped_mm")) == "grouped_mm"
-    assert choose_expert_kernel(make_config(activation="gelu", glu=False)) == "grouped_mm"
+        resolve_kernels(make_config(activation="gelu", glu=False, moe_expert_kernel="fused_gemm"))
+    forced = resolve_kernels(make_config(moe_expert_kernel="grouped_mm"))
+    assert (forced.setting, forced.expert_kernel) == ("grouped_mm", "grouped_mm")
+    uncovered = resolve_kernels(make_config(activation="gelu", glu=False))
+    assert (uncovered.setting, uncovered.expert_kernel) == (ExpertKernel.AUTO, "grouped_mm")
+    assert uncovered.activation == "eager"  # neither Triton kernel computes GELU
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
@@ -118,7 +130,7 @@ def test_forced_fused_gemm_refuses_cpu_tensors(megatron_cpu):
     pytest.importorskip("triton")
     config = make_config(moe_expert_kernel="fused_gemm")
     experts = TorchGroupedMLP(config.num_moe_experts, config, pg_collection=megatron_cpu)
-    assert experts.expert_kernel_impl == "fused_gemm"
+    assert experts.kernels.expert_kernel == ExpertKernel.FUSED_GEMM
     x = torch.randn(8, config.hidden_size).bfloat16()
     with pytest.raises(RuntimeError, match="runs Triton kernels on CUDA tensors"):
         experts(x, [2, 2, 2, 2], torch.rand(8))
@@ -297,8 +309,8 @@ def test_fused_experts_with_lora_match_fp64_in_the_interpreter():
         pytest.skip("this torch has no CPU grouped_mm for fc2 and fc1's input gradient")
     if torch.cuda.is_available():
         pytest.skip("on a CUDA host the kernels run compiled, on the GPU (tests/test_gpu.py)")
-    from mcore_torch_experts.fused_experts_triton import LoRATerm, fused_experts
-    from mcore_torch_experts.grouped_gemm import find_grouped_mm
+    from mcore_torch_experts.kernels.fused_experts_triton import LoRATerm, fused_experts
+    from mcore_torch_experts.kernels.grouped_gemm import find_grouped_mm
 
     gmm = find_grouped_mm().fn
     gen = torch.Generator().manual_seed(7)
@@ -385,7 +397,7 @@ def test_torch_grouped_mlp_fused_gemm_with_adapters_matches_grouped_mm(megatron_
         pytest.skip("this torch has no CPU grouped_mm for fc2 and fc1's input gradient")
     if torch.cuda.is_available():
         pytest.skip("on a CUDA host the kernels run compiled, on the GPU (tests/test_gpu.py)")
-    from mcore_torch_experts import fused_experts_triton
+    from mcore_torch_experts.kernels import fused_experts_triton
     from mcore_torch_experts.lora import lora_parameters
 
     torch.manual_seed(3)
@@ -415,14 +427,14 @@ def test_torch_grouped_mlp_fused_gemm_with_adapters_matches_grouped_mm(megatron_
     fused = _forward_backward(experts, x, splits, probs, grad)
     assert len(calls) == 1 and all(t is not None for t in calls[0]) and not adapter_calls
     assert torch.equal(_forward_backward(experts, x, splits, probs, grad)[0], fused[0])
-    experts.expert_kernel_setting = experts.expert_kernel_impl = "grouped_mm"
+    experts.kernels = KernelChoice("grouped_mm", "grouped_mm", experts.kernels.activation)
     reference = _forward_backward(experts, x, splits, probs, grad)
     assert len(calls) == 2 and adapter_calls  # the grouped_mm path calls the adapters
     assert len(fused) == len(reference) == 7
     errors = [rel_err(f, r) for f, r in zip(fused, reference)]
     assert max(errors) < 2e-2, errors
     # Frozen adapters (a reference model, say): the same kernels, the input gradient unchanged.
-    experts.expert_kernel_setting = experts.expert_kernel_impl = "fused_gemm"
+    experts.kernels = KernelChoice("fused_gemm", "fused_gemm", experts.kernels.activation)
     for p in lora_parameters(experts).values():
         p.requires_grad_(False)
     frozen = _forward_backward(experts, x, splits, probs, grad)

@@ -1,5 +1,6 @@
 """The parity tests on CUDA in bf16: device splits, no host syncs, device-side split checks."""
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from mcore_torch_experts import TorchGroupedMLP
+from mcore_torch_experts.kernels.choice import KernelChoice
 from mcore_torch_experts.lora import LoRAAdapter, LoRALinear, PerExpertLoRAAdapter
 from reference import copy_weights_to_sequential, fp64_experts, make_config, rel_err, sequential_mlp
 
@@ -102,7 +104,7 @@ def test_malformed_device_splits_trip_the_device_assert(tmp_path):
     script = tmp_path / "bad_splits.py"
     script.write_text(textwrap.dedent("""
         import torch
-        from mcore_torch_experts.grouped_gemm import group_offsets
+        from mcore_torch_experts.kernels.grouped_gemm import group_offsets
         offs = group_offsets(torch.tensor([4, 4, 4], device="cuda"), 3, 10, torch.device("cuda"))
         torch.cuda.synchronize()
         print("NO ASSERT", offs.tolist())
@@ -119,14 +121,14 @@ def test_malformed_device_splits_trip_the_device_assert(tmp_path):
 def test_fused_activation_matches_eager_on_cuda(megatron_world, case):
     """The fused activation x probs kernel rounds once; the eager path rounds act(x) first."""
     _, experts, _ = build_pair(megatron_world, **CASES[case])
-    assert experts.activation_impl == "fused"
+    assert experts.kernels.activation == "fused"
     splits = torch.tensor(SPLITS["skewed"], device="cuda")
     rows = sum(SPLITS["skewed"])
     x = torch.randn(rows, HIDDEN, device="cuda").bfloat16()
     probs = torch.rand(rows, device="cuda")
     grad_out = torch.randn(rows, HIDDEN, device="cuda").bfloat16()
     fused_out, fused_grad = forward_backward(experts, x, splits, probs, grad_out)
-    experts.activation_impl = "eager"
+    experts.kernels = dataclasses.replace(experts.kernels, activation="eager")
     eager_out, eager_grad = forward_backward(experts, x, splits, probs, grad_out)
     print(f"\n[cuda fused vs eager] {case}: out={rel_err(fused_out, eager_out):.2e} "
           f"grad={rel_err(fused_grad, eager_grad):.2e}")
@@ -137,7 +139,7 @@ def test_fused_activation_matches_eager_on_cuda(megatron_world, case):
 def test_fused_activation_backward_adds_only_the_gradients_with_a_trainable_router(case):
     """Backward with trainable probs allocates d fc1_out, d probs and [T, column tiles] FP32 row
     sums: no [T, F] temporary (an FP32 one is 2x d fc1_out)."""
-    from mcore_torch_experts.activation_triton import BLOCK_COLS, fused_activation_probs
+    from mcore_torch_experts.kernels.activation_triton import BLOCK_COLS, fused_activation_probs
 
     config = make_config(ffn=2048, **CASES[case])
     rows, width = 65536, 2048 * (2 if config.gated_linear_unit else 1)
@@ -168,7 +170,7 @@ FUSED_CASES = {
 
 
 def _with_kernel(experts, kernel):
-    experts.expert_kernel_setting = experts.expert_kernel_impl = kernel
+    experts.kernels = KernelChoice(kernel, kernel, experts.kernels.activation)
     return experts
 
 
@@ -361,7 +363,7 @@ def test_adapters_with_dropout_stay_on_grouped_mm(megatron_world):
     _with_kernel(experts, "fused_gemm")
     with pytest.raises(RuntimeError, match="carry adapters or hooks.*has dropout 0.1"):
         experts(x, splits, probs)
-    experts.expert_kernel_setting = "auto"
+    experts.kernels = dataclasses.replace(experts.kernels, setting="auto")
     calls = []
     adapters[0].forward = lambda *args, f=adapters[0].forward: calls.append(1) or f(*args)
     experts(x, splits, probs)
@@ -374,8 +376,8 @@ def test_auto_kernel_choice(megatron_world):
     sm90 = torch.cuda.get_device_capability() == (9, 0)
     _, sq_relu, _ = build_pair(megatron_world, activation="squared_relu", glu=False)
     _, swiglu, _ = build_pair(megatron_world, activation="silu", glu=True)
-    assert sq_relu.expert_kernel_impl == ("fused_gemm" if sm90 else "grouped_mm")
-    assert swiglu.expert_kernel_impl == "grouped_mm"
+    assert sq_relu.kernels.expert_kernel == ("fused_gemm" if sm90 else "grouped_mm")
+    assert swiglu.kernels.expert_kernel == "grouped_mm"
 
 
 @pytest.mark.parametrize("kind", ["shared", "per_expert"])
@@ -383,7 +385,7 @@ def test_auto_kernel_choice_with_our_adapters(megatron_world, monkeypatch, kind)
     """Our adapters on the experts change nothing in the choice: "auto" runs the fused kernels
     (with the adapters in them) exactly where it does without adapters, in the update pass and
     in the logprob pass."""
-    from mcore_torch_experts import fused_experts_triton
+    from mcore_torch_experts.kernels import fused_experts_triton
 
     sm90 = torch.cuda.get_device_capability() == (9, 0)
     real, calls = fused_experts_triton.fused_experts, []

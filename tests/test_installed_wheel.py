@@ -62,7 +62,16 @@ def source_version() -> str:
 
 
 def package_files() -> set:
-    return {f"{NAME}/{path.name}" for path in PACKAGE.glob("*.py")}
+    return {path.relative_to(REPO).as_posix() for path in PACKAGE.rglob("*.py")}
+
+
+def package_modules() -> set:
+    """Every module and subpackage of the package by dotted name (not the package itself)."""
+    names = set()
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        names.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names - {NAME}
 
 
 def environment() -> dict:
@@ -127,7 +136,7 @@ def documented_import_paths() -> list:
             elif isinstance(node, ast.Import):
                 found |= {(alias.name, "") for alias in node.names
                           if alias.name.split(".")[0] == NAME}
-    modules = {NAME} | {f"{NAME}.{path.stem}" for path in PACKAGE.glob("*.py")}
+    modules = {NAME} | package_modules()
     for doc in PUBLISHED:
         for dotted in re.findall(rf"\b{NAME}(?:\.\w+)+", doc.read_text()):
             head, _, tail = dotted.rpartition(".")
@@ -315,11 +324,12 @@ def test_every_module_of_the_installed_package_imports_from_it(installed):
     assert missing_from_the_leg(installed["module_import_errors"]) == {}
     modules = dict(installed["modules"])
     assert set(modules) | set(installed["module_import_errors"]) == \
-        {f"{NAME}.{path.stem}" for path in PACKAGE.glob("*.py") if path.stem != "__init__"}
+        package_modules()
     assert all(in_folder(path, installed["site"]) for path in modules.values())
     # What only an integration's client can stop: the experts, specs and kernels import anywhere.
     assert {f"{NAME}.{m}" for m in ("experts", "specs", "config", "lora", "bridge", "convert",
-                                    "activation_triton", "fused_experts_triton")} <= set(modules)
+                                    "kernels.activation_triton", "kernels.fused_experts_triton",
+                                    "kernels.choice")} <= set(modules)
 
 
 def test_the_leg_meets_the_wheels_requirements(installed):

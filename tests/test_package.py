@@ -1,34 +1,64 @@
 """The package's shape: no import circle between its modules (function-level imports included),
-and the experts module imports no optional integration, directly or through other modules."""
+the experts module imports no optional integration, directly or through other modules, and the
+kernels wing imports nothing of the package outside it but the package's error type."""
 
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / "mcore_torch_experts"
-MODULES = {p.stem for p in PACKAGE.glob("*.py")}
 
 
-def imported_names(node):
-    """The dotted names an import statement reaches, relative ones made absolute: `from .x
-    import y` reaches mcore_torch_experts.x and mcore_torch_experts.x.y."""
+def module_name(path: Path) -> str:
+    """A source file's module, dotted, relative to the package: "experts", "kernels.choice",
+    "kernels" (the subpackage's __init__), "__init__" (the package's own)."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+MODULES = {module_name(p) for p in PACKAGE.rglob("*.py")}
+
+
+def imported_names(node, module: str):
+    """The dotted names (relative to the package) an import statement in `module` reaches,
+    relative imports made absolute: `from .x import y` reaches x and x.y."""
     if isinstance(node, ast.Import):
-        return [alias.name for alias in node.names]
-    if not isinstance(node, ast.ImportFrom) or node.level > 1:
+        names = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        if node.level:
+            package = module.split(".")
+            if not (PACKAGE / Path(*package)).is_dir():  # a module, not a subpackage's __init__
+                package = package[:-1]
+            base = [PACKAGE.name, *package[:len(package) - node.level + 1]]
+        else:
+            base = []
+        head = ".".join([*base, *filter(None, [node.module])])
+        names = [head] + [f"{head}.{alias.name}" for alias in node.names]
+    else:
         return []
-    module = ".".join(filter(None, [PACKAGE.name if node.level else None, node.module]))
-    return [module] + [f"{module}.{alias.name}" for alias in node.names]
+    prefix = PACKAGE.name + "."
+    return [name[len(prefix):] for name in names if name.startswith(prefix)]
 
 
 def package_imports():
     """{module: the package modules it imports anywhere in its source, by relative or absolute
     import}."""
     graph = {}
-    for path in sorted(PACKAGE.glob("*.py")):
-        names = [name.split(".") for node in ast.walk(ast.parse(path.read_text()))
-                 for name in imported_names(node)]
-        graph[path.stem] = {parts[1] for parts in names
-                            if len(parts) > 1 and parts[0] == PACKAGE.name} & MODULES
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = module_name(path)
+        graph[module] = {name for node in ast.walk(ast.parse(path.read_text()))
+                         for name in imported_names(node, module)} & MODULES
     return graph
+
+
+def test_imports_are_resolved_across_the_wings():
+    """The resolver itself: a module of the kernels wing reaching the package's errors module,
+    the experts module reaching the kernels."""
+    graph = package_imports()
+    assert "errors" in graph["kernels.choice"]
+    assert {"kernels.choice", "kernels.grouped_gemm"} <= graph["experts"]
+    assert "kernels.activation_triton" in graph["kernels.fused_experts_triton"]
 
 
 def test_no_import_circle_between_package_modules():
@@ -41,7 +71,7 @@ def test_no_import_circle_between_package_modules():
             raise AssertionError("import circle: " + " -> ".join([*path, module]))
         if state.get(module) is None:
             state[module] = "open"
-            for imported in sorted(graph[module]):
+            for imported in sorted(graph.get(module, ())):
                 visit(imported, [*path, module])
             state[module] = "done"
 
@@ -59,3 +89,11 @@ def test_experts_module_imports_no_integration():
         reached |= new
         todo.extend(new)
     assert not reached & integrations, sorted(reached)
+
+
+def test_the_kernels_wing_imports_only_itself_and_the_error_type():
+    graph = package_imports()
+    kernels = {m for m in MODULES if m == "kernels" or m.startswith("kernels.")}
+    assert len(kernels) >= 6
+    outside = {m: sorted(graph[m] - kernels - {"errors"}) for m in kernels}
+    assert all(not found for found in outside.values()), outside

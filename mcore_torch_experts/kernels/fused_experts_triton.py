@@ -26,19 +26,18 @@ sum over per-expert tile counts) and returns at once when it has no tile. Zero-t
 no tile. CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set before triton is imported.
 """
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .activation_triton import ACTIVATIONS, _act_and_slope
+from .activation_triton import _act_and_slope
+from .choice import KERNEL_ACTIVATIONS, TRITON_INTERPRETER
 
-INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-"""Under triton's interpreter a bf16 tl.dot reads its operands' bits wrongly: the kernels feed
-it FP32 copies there (bf16 products are exact in FP32, so the result is the same up to the
-order of the sums)."""
+# DOT_FP32=TRITON_INTERPRETER: under triton's interpreter a bf16 tl.dot reads its operands' bits
+# wrongly, so the kernels feed it FP32 copies there (bf16 products are exact in FP32: the result
+# is the same up to the order of the sums).
 
 
 class Tiles(NamedTuple):
@@ -57,12 +56,6 @@ FC1_TILES = Tiles(128, 256, 64, 8, 3)
 FC1_GLU_TILES = Tiles(128, 128, 64, 8, 3)  # two accumulators (gate and up): 256 columns in all
 DGRAD_TILES = Tiles(128, 256, 64, 8, 3)
 DGRAD_GLU_TILES = Tiles(128, 128, 64, 8, 4)  # the epilogue reads gate and up
-
-
-def covers(config) -> bool:
-    """Whether the fused kernels compute this config's experts (squared ReLU or SiLU, gated or
-    not, glu_linear_offset, the GLU clamp; probs applied after the activation)."""
-    return config.activation_func in ACTIVATIONS and not config.moe_apply_probs_on_input
 
 
 @triton.jit
@@ -369,7 +362,7 @@ def fc1_activation(x, w1, offs, probs, act, glu, offset, clamp, save_h, xa=None,
         x, w1, offs, probs, h if save_h else out, out, xa.contiguous() if lora else x,
         lb.contiguous() if lora else w1, num_experts, ffn, hidden, rank, n_tiles,
         float(offset), float(clamp or 0.0), ACT=act, GLU=glu, CLAMP=clamp is not None,
-        SAVE_H=save_h, EVEN_K=hidden % tiles.block_k == 0, DOT_FP32=INTERPRETER, LORA=lora,
+        SAVE_H=save_h, EVEN_K=hidden % tiles.block_k == 0, DOT_FP32=TRITON_INTERPRETER, LORA=lora,
         LORA_PER_EXPERT=lora and lb.dim() == 3, BLOCK_R=_block_r(rank),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         E_P2=_e_p2(num_experts), num_warps=tiles.warps, num_stages=tiles.stages)
@@ -397,7 +390,7 @@ def fc2_dgrad_activation(grad_out, w2, offs, probs, h, act, glu, offset, clamp, 
         grad_out, w2, offs, probs, h, dh, partial, gb.contiguous() if lora else grad_out,
         la.contiguous() if lora else w2, num_experts, ffn, hidden, rank, rows, n_tiles,
         float(offset), float(clamp or 0.0), ACT=act, GLU=glu, CLAMP=clamp is not None,
-        DPROBS=want_dprobs, EVEN_K=hidden % tiles.block_k == 0, DOT_FP32=INTERPRETER, LORA=lora,
+        DPROBS=want_dprobs, EVEN_K=hidden % tiles.block_k == 0, DOT_FP32=TRITON_INTERPRETER, LORA=lora,
         LORA_PER_EXPERT=lora and la.dim() == 3, BLOCK_R=_block_r(rank),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         E_P2=_e_p2(num_experts), num_warps=tiles.warps, num_stages=tiles.stages)
@@ -509,7 +502,7 @@ def fused_experts(config, x, probs, w1, w2, offs, grouped_mm, fc1_lora=None, fc2
 
     fc1_lora / fc2_lora: the LoRATerm of an adapter on linear_fc1 / linear_fc2, or None."""
     clamp = config.activation_func_clamp_value if config.gated_linear_unit else None
-    args = (ACTIVATIONS[config.activation_func], bool(config.gated_linear_unit),
+    args = (KERNEL_ACTIVATIONS[config.activation_func], bool(config.gated_linear_unit),
             float(config.glu_linear_offset), None if clamp is None else float(clamp))
     adapter_tensors = [t for term in (fc1_lora, fc2_lora) if term is not None
                        for t in (term.a, term.b)]

@@ -8,30 +8,24 @@ d fc1_out once, with d probs (where the router trains) from FP32 row sums in the
 saves only fc1_out and probs. The math is FP32, rounded once (the eager form rounds act(x) to bf16
 before the FP32 multiply: the two differ by at most one bf16 ulp).
 
-Covers squared ReLU and SiLU, gated or not, with glu_linear_offset (`covers(config)`); CUDA
-tensors only (CPU tensors need TRITON_INTERPRET=1 set before triton is first imported).
+Covers squared ReLU and SiLU, gated or not, with glu_linear_offset (what it covers is decided
+in choice.py: `activation_kernel_not_covered`); CUDA tensors only (CPU tensors need
+TRITON_INTERPRET=1 set before triton is first imported).
 """
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
-from megatron.core.activations import squared_relu
 
-SQUARED_RELU, SILU = 0, 1
-ACTIVATIONS = {squared_relu: SQUARED_RELU, F.silu: SILU}
+from .choice import KERNEL_ACTIVATIONS
+
 BLOCK_ROWS, BLOCK_COLS = 8, 256
-
-
-def covers(config) -> bool:
-    """Whether the fused kernel computes this config's expert activation."""
-    return (config.activation_func in ACTIVATIONS and config.activation_func_clamp_value is None
-            and not config.moe_apply_probs_on_input)
 
 
 @triton.jit
 def _act_and_slope(x, ACT: tl.constexpr):
-    """act(x) and act'(x), FP32."""
+    """act(x) and act'(x), FP32; ACT is the activation's KERNEL_ACTIVATIONS code (0 squared
+    ReLU, 1 SiLU)."""
     if ACT == 0:
         r = tl.maximum(x, 0.0)
         a = r * r
@@ -138,6 +132,6 @@ class FusedActivationProbs(torch.autograd.Function):
 
 def fused_activation_probs(config, fc1_out: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     """fc1_out [T, F or 2F] (bf16), probs [T] -> act(fc1_out) * probs [T, F] in fc1_out's dtype."""
-    return FusedActivationProbs.apply(fc1_out, probs, ACTIVATIONS[config.activation_func],
+    return FusedActivationProbs.apply(fc1_out, probs, KERNEL_ACTIVATIONS[config.activation_func],
                                       bool(config.gated_linear_unit),
                                       float(config.glu_linear_offset))

@@ -1,0 +1,14 @@
+"""The kernels TorchGroupedMLP and the FP32 combine run, and the one place that chooses them.
+
+- `choice.py`: every kernel setting's values (`ExpertKernel`, `ActivationImpl`), what each
+  Triton kernel covers, the resolved `KernelChoice` a TorchGroupedMLP holds, and the per-call
+  obstacles of the fused GEMM path.
+- `grouped_gemm.py`: the grouped GEMM entry point, split validation, the frozen-weight
+  autograd Function.
+- `activation_triton.py`: activation x probs in one Triton kernel.
+- `fused_experts_triton.py`: grouped GEMMs with the activation (and LoRA adapters) in their
+  epilogues.
+- `combine_triton.py`: the deterministic FP32 top-k combine kernel.
+
+The Triton modules import triton at module level; `choice.py` and `grouped_gemm.py` do not.
+"""

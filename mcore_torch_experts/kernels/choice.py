@@ -1,0 +1,203 @@
+"""Which kernels TorchGroupedMLP runs, decided in one place: the values of `moe_expert_kernel`,
+what each Triton kernel covers, the choice resolved once at construction (`KernelChoice`), and
+the per-call obstacles of the fused GEMM path.
+
+`ExpertKernel.GROUPED_MM`: four torch grouped GEMMs with the activation between them, as one
+fused Triton activation kernel on CUDA where it covers the config (`ActivationImpl.FUSED`) or as
+torch ops (`ActivationImpl.EAGER`); `ExpertKernel.FUSED_GEMM`: Triton grouped GEMMs with the
+activation in their epilogues (fused_experts_triton.py); `ExpertKernel.AUTO`: fused_gemm where it
+measured faster.
+"""
+
+import enum
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from megatron.core.activations import squared_relu
+
+from ..errors import TorchExpertsConfigError
+
+
+class ExpertKernel(enum.StrEnum):
+    """`moe_expert_kernel`: what TorchGroupedMLP's experts run."""
+
+    AUTO = "auto"
+    FUSED_GEMM = "fused_gemm"
+    GROUPED_MM = "grouped_mm"
+
+
+class ActivationImpl(enum.StrEnum):
+    """How the grouped_mm path applies activation x probs."""
+
+    FUSED = "fused"  # one Triton kernel, on CUDA tensors
+    EAGER = "eager"  # torch ops (the CPU; CUDA where triton is missing or the kernel does not cover)
+
+
+KERNEL_ACTIVATIONS = {squared_relu: 0, F.silu: 1}
+"""The activations both Triton kernels compute, and each one's code in the kernels (`ACT`)."""
+
+TRITON_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+"""Whether triton runs its kernels in its interpreter (CPU tensors): it reads the variable when it
+is first imported, so this is read at import too."""
+
+FUSED_GEMM_AUTO_CAPABILITIES = ((9, 0),)
+"""GPUs where "auto" picks the fused GEMM kernels, for non-gated activations only: there they
+measured faster than grouped_mm + the fused activation kernel on the H200; gated ones (SwiGLU)
+measured slower at every tiling tried (BENCHMARKS.md)."""
+
+
+def _triton_missing() -> Optional[str]:
+    try:
+        import triton  # noqa: F401
+    except ImportError as error:
+        return f"triton is not importable ({error})"
+    return None
+
+
+def _activation_not_covered(config) -> Optional[str]:
+    """Why neither Triton kernel computes this config's activation, or None."""
+    if config.activation_func not in KERNEL_ACTIVATIONS or config.moe_apply_probs_on_input:
+        return (f"they compute squared ReLU or SiLU (gated or not) with the probs applied after "
+                f"the activation; this config has activation_func={config.activation_func!r}, "
+                f"moe_apply_probs_on_input={config.moe_apply_probs_on_input}")
+    return None
+
+
+def fused_gemm_not_covered(config) -> Optional[str]:
+    """None when the fused GEMM kernels compute this config's experts (squared ReLU or SiLU,
+    gated or not, glu_linear_offset, the GLU clamp; probs applied after the activation), else
+    why not."""
+    return _triton_missing() or _activation_not_covered(config)
+
+
+def activation_kernel_not_covered(config) -> Optional[str]:
+    """None when the fused activation kernel computes this config's activation x probs (as the
+    fused GEMMs, without the GLU clamp), else why not."""
+    if (reason := _triton_missing() or _activation_not_covered(config)) is not None:
+        return reason
+    if config.activation_func_clamp_value is not None:
+        return (f"it does not clamp; this config has activation_func_clamp_value="
+                f"{config.activation_func_clamp_value}")
+    return None
+
+
+def check_expert_kernel(config) -> ExpertKernel:
+    """`moe_expert_kernel` (absent reads "auto") as an ExpertKernel; one that is not a choice, or
+    a forced "fused_gemm" the fused kernels cannot compute, is a TorchExpertsConfigError."""
+    setting = getattr(config, "moe_expert_kernel", ExpertKernel.AUTO)
+    if setting not in tuple(ExpertKernel):
+        raise TorchExpertsConfigError(f"moe_expert_kernel={setting!r} is not a kernel choice: "
+                                      f"set it to one of {tuple(k.value for k in ExpertKernel)}.")
+    if setting == ExpertKernel.FUSED_GEMM and (reason := fused_gemm_not_covered(config)):
+        raise TorchExpertsConfigError(f"moe_expert_kernel='fused_gemm' cannot run: {reason}. "
+                                      "Set moe_expert_kernel='grouped_mm' or 'auto'.")
+    return ExpertKernel(setting)
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """What one TorchGroupedMLP runs, resolved once at construction (`resolve_kernels`)."""
+
+    setting: ExpertKernel
+    """`moe_expert_kernel` as the config says it: a forced FUSED_GEMM raises where a call cannot
+    take it, AUTO falls back to grouped_mm for that call."""
+    expert_kernel: ExpertKernel
+    """FUSED_GEMM or GROUPED_MM: what the calls take when nothing stands in the way."""
+    activation: ActivationImpl
+    """The grouped_mm path's activation x probs."""
+
+
+def resolve_kernels(config) -> KernelChoice:
+    """The kernels for this config on this machine; a bad setting is a TorchExpertsConfigError."""
+    setting = check_expert_kernel(config)
+    expert_kernel = setting
+    if setting == ExpertKernel.AUTO:
+        on_measured_gpu = (torch.cuda.is_available() and torch.cuda.get_device_capability()
+                           in FUSED_GEMM_AUTO_CAPABILITIES)
+        measured_faster = on_measured_gpu and not config.gated_linear_unit
+        expert_kernel = (ExpertKernel.FUSED_GEMM
+                         if measured_faster and fused_gemm_not_covered(config) is None
+                         else ExpertKernel.GROUPED_MM)
+    activation = (ActivationImpl.FUSED if activation_kernel_not_covered(config) is None
+                  else ActivationImpl.EAGER)
+    return KernelChoice(setting, expert_kernel, activation)
+
+
+def has_hooks(module: torch.nn.Module) -> bool:
+    """Whether calling `module` runs hooks: its own forward or backward hooks, or global module
+    hooks (`torch.nn.modules.module.register_module_*_hook`)."""
+    hooks = torch.nn.modules.module
+    return any((module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+                module._backward_pre_hooks, hooks._global_forward_hooks,
+                hooks._global_forward_pre_hooks, hooks._global_backward_hooks,
+                hooks._global_backward_pre_hooks))
+
+
+def declares_fused_expert_kernels(module: torch.nn.Module) -> bool:
+    """Whether `module`'s own class (a subclass does not inherit it) says the fused expert
+    kernels compute its math: lora.py's LoRALinear, LoRAAdapter and PerExpertLoRAAdapter set
+    `FUSED_EXPERT_KERNELS = True`, so the experts' core needs no import of the adapters."""
+    return type(module).__dict__.get("FUSED_EXPERT_KERNELS", False) is True
+
+
+def fused_adapter(linear: torch.nn.Module, linear_type: type):
+    """(base, adapter) of an expert linear as the fused path sees it: a plain `linear_type` is
+    (linear, None); our LoRALinear around one, (its base, its adapter). Anything else is
+    (None, None)."""
+    if type(linear) is linear_type:
+        return linear, None
+    if declares_fused_expert_kernels(linear) and type(linear.to_wrap) is linear_type:
+        return linear.to_wrap, linear.adapter
+    return None, None
+
+
+def _adapter_obstacle(name: str, linear: torch.nn.Module, adapter: torch.nn.Module):
+    """Why the fused kernels cannot compute `adapter` (of our LoRALinear `linear`), or None."""
+    if not declares_fused_expert_kernels(adapter):
+        return (f"{name}'s adapter is a {type(adapter).__name__}, not one of "
+                "mcore_torch_experts.lora's LoRAAdapter/PerExpertLoRAAdapter")
+    if getattr(adapter, "tp_mode", None) is not None:
+        return f"{name}'s adapter maps its rank-r activation across tensor-parallel ranks"
+    if not isinstance(adapter.dropout, torch.nn.Identity):
+        return (f"{name}'s adapter has dropout {getattr(adapter.dropout, 'p', '?')} (the fused "
+                "fc2 input gradient cannot mask the adapter's share); apply_lora(dropout=0.0) "
+                "adapters are fused")
+    hooked = [part for part, module in (("the LoRALinear", linear), ("its adapter", adapter),
+                                        ("linear_in", adapter.linear_in),
+                                        ("linear_out", adapter.linear_out))
+              if has_hooks(module)]
+    if hooked:
+        return f"{name}: {' and '.join(hooked)} carry hooks that it would skip"
+    return None
+
+
+def fused_gemm_obstacle(linears: Sequence[torch.nn.Module], linear_type: type,
+                        hidden: torch.Tensor) -> Optional[str]:
+    """Why this call cannot take the fused GEMM path, which calls the packed weights directly
+    (skipping `linears`' own calls), or None when it can: each linear must be a plain
+    `linear_type` without hooks, or our LoRALinear around one with a LoRA adapter the kernels
+    compute (lora.py's, no dropout, no tensor-parallel mapping, no hooks anywhere), and the
+    input on CUDA (or under triton's interpreter)."""
+    for name, linear in zip(("linear_fc1", "linear_fc2"), linears):
+        base, adapter = fused_adapter(linear, linear_type)
+        reason = None
+        if base is None:
+            reason = (f"{name} is a {type(linear).__name__}, an adapter wrapper or module it "
+                      "cannot compute")
+        elif has_hooks(base):
+            reason = f"{name} carries hooks that it would skip"
+        elif adapter is not None:
+            reason = _adapter_obstacle(name, linear, adapter)
+        if reason is not None:
+            return ("moe_expert_kernel='fused_gemm' runs the packed expert weights directly, but "
+                    f"linear_fc1/linear_fc2 carry adapters or hooks that it would skip ({reason});"
+                    " set moe_expert_kernel='grouped_mm' or 'auto' for such adapters or hooks on "
+                    "the experts.")
+    if not hidden.is_cuda and not TRITON_INTERPRETER:
+        return (f"moe_expert_kernel='fused_gemm' runs Triton kernels on CUDA tensors; the "
+                f"input is on {hidden.device}. Move the module to CUDA or set "
+                "moe_expert_kernel='grouped_mm' or 'auto'.")
+    return None
