@@ -37,6 +37,7 @@ from megatron.core.utils import get_pg_size
 
 from . import experts
 from .experts import TorchGroupedLinear
+from .kernels.choice import ADAPTER_READERS, FusedAdapter, hooked
 from .kernels.grouped_gemm import Splits, group_offsets
 
 _ORIGINAL = "__torch_experts_original__"
@@ -71,6 +72,8 @@ def register_with_megatron_bridge() -> bool:
         wrapper.adapter_forward = _grouped_expert_adapters(wrapper.adapter_forward, utils)
     if not hasattr(per_expert.forward, _ORIGINAL):
         per_expert.forward = _grouped_on_torch_experts(per_expert.forward)
+    if fused_bridge_lora not in ADAPTER_READERS:
+        ADAPTER_READERS.append(fused_bridge_lora)
     return True
 
 
@@ -242,6 +245,65 @@ def grouped_expert_adapter_forward(adapter, base: TorchGroupedLinear, x: torch.T
     if adapter.dropout_position == "post":
         out = adapter.dropout(out)
     return out * scale
+
+
+def fused_bridge_lora(linear: torch.nn.Module, linear_type: type,
+                      x: torch.Tensor) -> Optional[FusedAdapter]:
+    """The fused expert kernels' view of Bridge's LoRALinear around a `linear_type` (exactly
+    that class), else None; kernels/choice.ADAPTER_READERS. A disabled adapter is no term (Bridge
+    then runs the base alone); the shared (ParallelLinearAdapter) and per-expert
+    (GroupedExpertLinearAdapter) layouts are read through their weights as Bridge's forward reads
+    them, scale alpha / dim; anything the kernels would compute differently is an obstacle."""
+    from megatron.bridge.peft import utils
+    from megatron.bridge.peft.lora_layers import LoRALinear
+
+    if type(linear) is not LoRALinear or type(linear.to_wrap) is not linear_type:
+        return None
+    base, adapter = linear.to_wrap, linear.adapter
+    if not linear._adapter_enabled:
+        return FusedAdapter(base)
+    if type(adapter) is utils.ParallelLinearAdapter:
+        read = lambda: (adapter.linear_in.weight, adapter.linear_out.weight,  # noqa: E731
+                        adapter.alpha / adapter.dim)
+    else:
+        read = lambda: (adapter.linear_in(), adapter.linear_out(),  # noqa: E731
+                        adapter.alpha / adapter.dim)
+    return FusedAdapter(base, read, fused_bridge_obstacle(linear, adapter, base, x, utils))
+
+
+def fused_bridge_obstacle(linear, adapter, base: TorchGroupedLinear, x: torch.Tensor,
+                          utils) -> Optional[str]:
+    """Why the fused kernels cannot compute Bridge's `adapter` (of its LoRALinear `linear` on
+    `base`) on the experts' input x as Bridge's forward does, or None."""
+    shared = type(adapter) is utils.ParallelLinearAdapter
+    if not shared and type(adapter) is not utils.GroupedExpertLinearAdapter:
+        return (f"adapter is Bridge's {type(adapter).__name__}; the kernels take one pair of "
+                "factors, shared (share_expert_adapters=True) or per expert "
+                "(share_expert_adapters=False), not mixed")
+    if not isinstance(adapter.dropout, torch.nn.Identity):
+        return (f"adapter has dropout {getattr(adapter.dropout, 'p', '?')} (the fused fc2 input "
+                "gradient cannot mask the adapter's share); set the LoRA dropout to 0.0")
+    if not isinstance(adapter.activation, torch.nn.Identity):
+        return (f"adapter applies {type(adapter.activation).__name__} between its factors; "
+                "LoRA's is the identity")
+    etp = get_pg_size(base._pg_collection.expt_tp)
+    if etp > 1 or (shared and get_pg_size(adapter.tp_group) > 1):
+        return (f"adapter spans expert tensor-parallel ranks (expert_tensor_parallel_size="
+                f"{etp}); set expert_tensor_parallel_size=1")
+    if shared and not adapter.is_expert:
+        return "adapter is not built as an expert adapter (its communication would differ)"
+    if not shared and adapter._is_te_fp8_enabled():
+        return "adapter runs Transformer Engine FP8 autocast"
+    if adapter.config.cpu_offloading and adapter.config.cpu_offloading_activations:
+        return "adapter's activations are marked for CPU offloading"
+    weights = (adapter.linear_in.weight, adapter.linear_out.weight)
+    if any(w.dtype != x.dtype for w in weights):
+        return (f"adapter weights are {weights[0].dtype}/{weights[1].dtype} and the input "
+                f"{x.dtype}; keep the adapters in the experts' dtype (Bridge's default "
+                "params_dtype)")
+    return hooked({"Bridge's LoRALinear": linear, "adapter": adapter,
+                   "adapter's linear_in": adapter.linear_in,
+                   "adapter's linear_out": adapter.linear_out})
 
 
 def _wrappable_types(utils) -> tuple:

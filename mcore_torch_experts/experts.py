@@ -37,8 +37,8 @@ from .errors import TorchExpertsConfigError
 from .kernels.choice import (
     ActivationImpl,
     ExpertKernel,
-    fused_adapter,
     fused_gemm_obstacle,
+    read_fused_adapter,
     resolve_kernels,
 )
 from .kernels.grouped_gemm import Splits, find_grouped_mm, frozen_grouped_linear, group_offsets
@@ -336,15 +336,16 @@ class TorchGroupedMLP(MegatronModule):
 
         bases, terms = [], []
         for linear in (self.linear_fc1, self.linear_fc2):
-            base, adapter = fused_adapter(linear, TorchGroupedLinear)
+            view = read_fused_adapter(linear, TorchGroupedLinear, hidden)
+            base = view.base
             bases.append(base)
-            if adapter is None:
+            if view.factors is None:
                 terms.append(None)
                 continue
-            term = LoRATerm(adapter.linear_in.weight.to(hidden.dtype),
-                            adapter.linear_out.weight.to(hidden.dtype), float(adapter.scale))
-            check_lora(term, f"{linear.to_wrap.name}.adapter", base.num_experts,
-                       base.in_features, base.out_features, hidden.dtype)
+            a, b, scale = view.factors()
+            term = LoRATerm(a.to(hidden.dtype), b.to(hidden.dtype), float(scale))
+            check_lora(term, f"{base.name}.adapter", base.num_experts, base.in_features,
+                       base.out_features, hidden.dtype)
             terms.append(term)
         fc1, fc2 = bases
         w1, offs = fc1.weight_and_offsets(hidden, tokens_per_expert)

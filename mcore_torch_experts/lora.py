@@ -40,6 +40,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.utils import get_pg_size
 
+from .kernels.choice import ADAPTER_READERS, FusedAdapter, hooked
 from .kernels.grouped_gemm import Splits, find_grouped_mm, group_offsets
 
 EXPERT_ADAPTERS = ("shared", "per_expert")
@@ -73,8 +74,6 @@ class LoRAAdapter(torch.nn.Module):
     `tp_mode` "column"/"row" maps the rank-r activation across `tp_group` (see the module doc).
     """
 
-    FUSED_EXPERT_KERNELS = True  # kernels.choice.declares_fused_expert_kernels
-
     def __init__(self, in_features: int, out_features: int, rank: int, alpha: float,
                  dropout: float, dtype, device, tp_mode: Optional[str] = None, tp_group=None):
         super().__init__()
@@ -96,8 +95,6 @@ class LoRAAdapter(torch.nn.Module):
 class PerExpertLoRAAdapter(torch.nn.Module):
     """A low-rank pair per local expert: x [T, in] (rows contiguous by expert), tokens_per_expert
     [E] -> [T, out]; the rows of expert e use A[e] [r, in] and B[e] [out, r]."""
-
-    FUSED_EXPERT_KERNELS = True  # kernels.choice.declares_fused_expert_kernels
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, rank: int,
                  alpha: float, dropout: float, dtype, device):
@@ -125,8 +122,6 @@ class LoRALinear(torch.nn.Module):
     base may answer in any form Megatron's linears use: `(out, bias)`, `((out, ln_out), bias)`
     (TE with the switch on), `(out, bias, ln_out)`.
     """
-
-    FUSED_EXPERT_KERNELS = True  # kernels.choice.declares_fused_expert_kernels
 
     def __init__(self, to_wrap: torch.nn.Module, adapter: torch.nn.Module):
         super().__init__()
@@ -160,6 +155,35 @@ class LoRALinear(torch.nn.Module):
         """The base's sharded state dict: distributed checkpoints hold the base model only."""
         return self.to_wrap.sharded_state_dict(prefix=prefix, sharded_offsets=sharded_offsets,
                                                metadata=metadata)
+
+
+def fused_lora(linear: torch.nn.Module, linear_type: type, x: torch.Tensor):
+    """The fused expert kernels' view of our LoRALinear around a `linear_type` (exactly those
+    classes: a subclass's forward may do anything), else None; kernels/choice.ADAPTER_READERS."""
+    if type(linear) is not LoRALinear or type(linear.to_wrap) is not linear_type:
+        return None
+    adapter = linear.adapter
+    factors = lambda: (adapter.linear_in.weight, adapter.linear_out.weight, adapter.scale)  # noqa: E731
+    return FusedAdapter(linear.to_wrap, factors, _fused_obstacle(linear, adapter))
+
+
+def _fused_obstacle(linear: "LoRALinear", adapter: torch.nn.Module) -> Optional[str]:
+    """Why the fused kernels cannot compute `adapter` of our LoRALinear `linear`, or None."""
+    if type(adapter) not in (LoRAAdapter, PerExpertLoRAAdapter):
+        return (f"adapter is a {type(adapter).__name__}, not one of mcore_torch_experts.lora's "
+                "LoRAAdapter/PerExpertLoRAAdapter")
+    if getattr(adapter, "tp_mode", None) is not None:
+        return "adapter maps its rank-r activation across tensor-parallel ranks"
+    if not isinstance(adapter.dropout, torch.nn.Identity):
+        return (f"adapter has dropout {getattr(adapter.dropout, 'p', '?')} (the fused fc2 input "
+                "gradient cannot mask the adapter's share); apply_lora(dropout=0.0) adapters are "
+                "fused")
+    return hooked({"LoRALinear": linear, "adapter": adapter,
+                   "adapter's linear_in": adapter.linear_in,
+                   "adapter's linear_out": adapter.linear_out})
+
+
+ADAPTER_READERS.append(fused_lora)
 
 
 def _unwrap_base_keys(module, state_dict, prefix, local_metadata):

@@ -12,7 +12,7 @@ measured faster.
 import enum
 import os
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -136,61 +136,62 @@ def has_hooks(module: torch.nn.Module) -> bool:
                 hooks._global_backward_pre_hooks))
 
 
-def declares_fused_expert_kernels(module: torch.nn.Module) -> bool:
-    """Whether `module`'s own class (a subclass does not inherit it) says the fused expert
-    kernels compute its math: lora.py's LoRALinear, LoRAAdapter and PerExpertLoRAAdapter set
-    `FUSED_EXPERT_KERNELS = True`, so the experts' core needs no import of the adapters."""
-    return type(module).__dict__.get("FUSED_EXPERT_KERNELS", False) is True
+class FusedAdapter(NamedTuple):
+    """An expert linear as the fused kernels see it."""
+
+    base: Optional[torch.nn.Module]
+    """The grouped linear whose packed weights the kernels read (None: a module they cannot
+    compute)."""
+    factors: Optional[Callable[[], Tuple[torch.Tensor, torch.Tensor, float]]] = None
+    """Reads the adapter's (A [r, in] or [E, r, in], B [out, r] or [E, out, r], scale) for one
+    call, as autograd must see them; None: no adapter term."""
+    obstacle: Optional[str] = None
+    """Why the kernels cannot compute this adapter (a clause naming the setting), or None."""
 
 
-def fused_adapter(linear: torch.nn.Module, linear_type: type):
-    """(base, adapter) of an expert linear as the fused path sees it: a plain `linear_type` is
-    (linear, None); our LoRALinear around one, (its base, its adapter). Anything else is
-    (None, None)."""
+AdapterReader = Callable[[torch.nn.Module, type, torch.Tensor], Optional[FusedAdapter]]
+ADAPTER_READERS: List[AdapterReader] = []
+"""Adapter systems whose wrappers the fused kernels compute add a reader here: called with an
+expert linear, the grouped-linear type and the experts' input, it returns the linear's
+FusedAdapter when the wrapper is one of theirs, else None. lora.py adds this package's and
+bridge.py Megatron-Bridge's, so the kernels import neither."""
+
+
+def read_fused_adapter(linear: torch.nn.Module, linear_type: type,
+                       x: torch.Tensor) -> FusedAdapter:
+    """`linear` (an expert linear, possibly wrapped) as the fused kernels see it."""
     if type(linear) is linear_type:
-        return linear, None
-    if declares_fused_expert_kernels(linear) and type(linear.to_wrap) is linear_type:
-        return linear.to_wrap, linear.adapter
-    return None, None
+        return FusedAdapter(linear)
+    for reader in ADAPTER_READERS:
+        if (found := reader(linear, linear_type, x)) is not None:
+            return found
+    return FusedAdapter(None)
 
 
-def _adapter_obstacle(name: str, linear: torch.nn.Module, adapter: torch.nn.Module):
-    """Why the fused kernels cannot compute `adapter` (of our LoRALinear `linear`), or None."""
-    if not declares_fused_expert_kernels(adapter):
-        return (f"{name}'s adapter is a {type(adapter).__name__}, not one of "
-                "mcore_torch_experts.lora's LoRAAdapter/PerExpertLoRAAdapter")
-    if getattr(adapter, "tp_mode", None) is not None:
-        return f"{name}'s adapter maps its rank-r activation across tensor-parallel ranks"
-    if not isinstance(adapter.dropout, torch.nn.Identity):
-        return (f"{name}'s adapter has dropout {getattr(adapter.dropout, 'p', '?')} (the fused "
-                "fc2 input gradient cannot mask the adapter's share); apply_lora(dropout=0.0) "
-                "adapters are fused")
-    hooked = [part for part, module in (("the LoRALinear", linear), ("its adapter", adapter),
-                                        ("linear_in", adapter.linear_in),
-                                        ("linear_out", adapter.linear_out))
-              if has_hooks(module)]
-    if hooked:
-        return f"{name}: {' and '.join(hooked)} carry hooks that it would skip"
-    return None
+def hooked(modules: Mapping[str, torch.nn.Module]) -> Optional[str]:
+    """Which of the named modules ({what: module}) carry hooks that the fused kernels would
+    skip, as a clause, or None."""
+    names = [name for name, module in modules.items() if has_hooks(module)]
+    return f"{' and '.join(names)} carry hooks that it would skip" if names else None
 
 
 def fused_gemm_obstacle(linears: Sequence[torch.nn.Module], linear_type: type,
                         hidden: torch.Tensor) -> Optional[str]:
     """Why this call cannot take the fused GEMM path, which calls the packed weights directly
     (skipping `linears`' own calls), or None when it can: each linear must be a plain
-    `linear_type` without hooks, or our LoRALinear around one with a LoRA adapter the kernels
-    compute (lora.py's, no dropout, no tensor-parallel mapping, no hooks anywhere), and the
-    input on CUDA (or under triton's interpreter)."""
+    `linear_type` without hooks, or an adapter wrapper around one that a reader of
+    ADAPTER_READERS says the kernels compute, and the input on CUDA (or under triton's
+    interpreter)."""
     for name, linear in zip(("linear_fc1", "linear_fc2"), linears):
-        base, adapter = fused_adapter(linear, linear_type)
+        view = read_fused_adapter(linear, linear_type, hidden)
         reason = None
-        if base is None:
+        if view.base is None:
             reason = (f"{name} is a {type(linear).__name__}, an adapter wrapper or module it "
                       "cannot compute")
-        elif has_hooks(base):
+        elif has_hooks(view.base):
             reason = f"{name} carries hooks that it would skip"
-        elif adapter is not None:
-            reason = _adapter_obstacle(name, linear, adapter)
+        elif view.obstacle is not None:
+            reason = f"{name}'s {view.obstacle}"
         if reason is not None:
             return ("moe_expert_kernel='fused_gemm' runs the packed expert weights directly, but "
                     f"linear_fc1/linear_fc2 carry adapters or hooks that it would skip ({reason});"
