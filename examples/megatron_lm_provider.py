@@ -26,7 +26,7 @@ from cpu_support import (
     training_step_loss,
 )
 from mcore_torch_experts import TorchExpertsTransformerConfig
-from mcore_torch_experts.config import BACKENDS
+from mcore_torch_experts.config import ExpertGemmBackend
 from mcore_torch_experts.specs import torch_experts_gpt_spec
 
 _ARGS = None  # Megatron-LM: megatron.training.get_args()
@@ -36,7 +36,8 @@ def add_torch_experts_args(parser: argparse.ArgumentParser) -> argparse.Argument
     """An `extra_args_provider` for `parse_and_validate_args`: the flag lands in
     args.moe_expert_gemm_backend, the config field of the same name."""
     group = parser.add_argument_group(title="torch experts")
-    group.add_argument("--moe-expert-gemm-backend", choices=BACKENDS, default="transformer_engine",
+    group.add_argument("--moe-expert-gemm-backend", choices=[b.value for b in ExpertGemmBackend],
+                       default=ExpertGemmBackend.TRANSFORMER_ENGINE.value,
                        help="'torch': frozen BF16 experts through torch grouped GEMM.")
     return parser
 

@@ -20,8 +20,10 @@ Backends:
 `chunk_rows=None` reads MCORE_TORCH_EXPERTS_COMBINE_CHUNK_ROWS; unset means 4096.
 """
 
+import enum
 import os
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 
@@ -32,7 +34,30 @@ CHUNK_ROWS_ENV = "MCORE_TORCH_EXPERTS_COMBINE_CHUNK_ROWS"
 # the default; 0 opts back into single-shot. At small H (1024) 4096-row chunks cost ~25% forward
 # time, and 16384 rows is the better trade.
 DEFAULT_CHUNK_ROWS = 4096
-BACKENDS = ("torch", "triton")
+
+
+class CombineBackend(enum.StrEnum):
+    """`backend` of fp32_combine (`moe_combine_backend`); None picks one."""
+
+    TORCH = "torch"
+    TRITON = "triton"
+
+
+@dataclass(frozen=True)
+class CombineOptions:
+    """fp32_combine's options as a config holds them (`moe_combine_chunk_rows`,
+    `moe_combine_backend`, read once), checked."""
+
+    chunk_rows: Optional[int] = None
+    backend: Optional[CombineBackend] = None
+
+    def __post_init__(self):
+        check_options(self.chunk_rows, self.backend)
+
+    @classmethod
+    def from_config(cls, config) -> "CombineOptions":
+        return cls(getattr(config, "moe_combine_chunk_rows", None),
+                   getattr(config, "moe_combine_backend", None))
 
 
 def chunk_rows_from_env() -> int:
@@ -150,13 +175,24 @@ def _gather_row_grads(grad_y, token_ids, probs, expert_out, grad_out, grad_probs
         grad_out.copy_(grad_rows)
 
 
-def check_options(chunk_rows: Optional[int], backend: Optional[str]) -> None:
-    """Refuse a chunk_rows or backend that fp32_combine does not take (ValueError)."""
+def option_problem(chunk_rows: Optional[int],
+                   backend: Optional[str]) -> Optional[Tuple[str, object, str]]:
+    """(the option, its value, what it must be) for the first option fp32_combine does not take,
+    or None: the one check of fp32_combine's arguments and of the moe_combine_* fields."""
     if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int)
                                    or chunk_rows < 0):
-        raise ValueError(f"chunk_rows must be an int >= 0 (0 = single-shot), got {chunk_rows!r}")
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS} or None (auto), got {backend!r}")
+        return "chunk_rows", chunk_rows, "an int >= 0 (0 = single shot) or None"
+    if backend is not None and backend not in tuple(CombineBackend):
+        return ("backend", backend,
+                f"one of {tuple(b.value for b in CombineBackend)} or None (automatic)")
+    return None
+
+
+def check_options(chunk_rows: Optional[int], backend: Optional[str]) -> None:
+    """Refuse a chunk_rows or backend that fp32_combine does not take (ValueError)."""
+    if (problem := option_problem(chunk_rows, backend)) is not None:
+        option, value, requirement = problem
+        raise ValueError(f"{option} must be {requirement}, got {value!r}")
 
 
 def _resolve_backend(backend: Optional[str], expert_out: torch.Tensor) -> str:

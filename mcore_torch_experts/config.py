@@ -1,6 +1,7 @@
 """The `moe_expert_gemm_backend` flag and the checks that run when it says "torch"."""
 
 import dataclasses
+import enum
 import re
 from dataclasses import dataclass
 from typing import Mapping, Optional
@@ -9,10 +10,18 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from . import _compat
+from .combine import option_problem
 from .errors import TorchExpertsConfigError
 from .kernels.choice import check_expert_kernel
 
-BACKENDS = ("transformer_engine", "torch")
+
+class ExpertGemmBackend(enum.StrEnum):
+    """`moe_expert_gemm_backend`: whose experts a MoE layer builds."""
+
+    TRANSFORMER_ENGINE = "transformer_engine"  # Megatron's own (TEGroupedMLP with TE)
+    TORCH = "torch"  # TorchGroupedMLP
+
+
 MAX_LOCAL_EXPERTS = 1023  # grouped GEMM's CUTLASS path takes fewer than 1024 groups
 ALIGN_ELEMENTS = 8  # 16-byte strides for bf16 operands
 
@@ -22,10 +31,12 @@ def _refuse(field: str, value, fix: str, setting: str = "moe_expert_gemm_backend
 
 
 def check_backend(backend) -> None:
-    """Refuse a moe_expert_gemm_backend value outside BACKENDS, naming the allowed ones."""
-    if backend not in BACKENDS:
+    """Refuse a moe_expert_gemm_backend value outside ExpertGemmBackend, naming the allowed
+    ones."""
+    if backend not in tuple(ExpertGemmBackend):
         raise TorchExpertsConfigError(
-            f"moe_expert_gemm_backend={backend!r} is not a backend: set it to one of {BACKENDS}."
+            f"moe_expert_gemm_backend={backend!r} is not a backend: set it to one of "
+            f"{tuple(b.value for b in ExpertGemmBackend)}."
         )
 
 
@@ -277,13 +288,11 @@ def validate_fp32_combine_config(config: TransformerConfig,
     if config.moe_pad_expert_input_to_capacity:
         refuse("moe_pad_expert_input_to_capacity", True, "padded (drop-and-pad) combines are not "
                "supported; set moe_pad_expert_input_to_capacity=False.")
-    chunk_rows = getattr(config, "moe_combine_chunk_rows", None)
-    if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int)
-                                   or chunk_rows < 0):
-        refuse("moe_combine_chunk_rows", chunk_rows, "use an int >= 0 (0 = single shot) or None.")
-    backend = getattr(config, "moe_combine_backend", None)
-    if backend not in (None, "torch", "triton"):
-        refuse("moe_combine_backend", backend, "use 'torch', 'triton' or None (automatic).")
+    problem = option_problem(getattr(config, "moe_combine_chunk_rows", None),
+                             getattr(config, "moe_combine_backend", None))
+    if problem is not None:
+        option, value, requirement = problem
+        refuse(f"moe_combine_{option}", value, f"it must be {requirement}.")
 
 
 @dataclass

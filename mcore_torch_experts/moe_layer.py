@@ -16,7 +16,7 @@ import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from . import _compat
-from .combine import fp32_combine
+from .combine import CombineOptions, fp32_combine
 from .config import validate_fp32_combine_config
 
 
@@ -33,14 +33,15 @@ class FP32CombineMoELayer(MoELayer):
         validate_fp32_combine_config(config)  # before Megatron builds (and checks) its dispatcher
         super().__init__(config, submodules, layer_number=layer_number,
                          pg_collection=pg_collection, **kwargs)
+        self.combine_options = CombineOptions.from_config(config)
         route_unpermute_through(self.token_dispatcher, self.combine_top_k)
 
     def combine_top_k(self, permuted: torch.Tensor, token_ids: torch.Tensor,
                       restore_shape) -> torch.Tensor:
         """permuted [N, H] expert outputs, token_ids [N] -> [restore_shape[0], H] in permuted's dtype."""
         summed = fp32_combine(permuted, token_ids, restore_shape[0],
-                              chunk_rows=getattr(self.config, "moe_combine_chunk_rows", None),
-                              backend=getattr(self.config, "moe_combine_backend", None))
+                              chunk_rows=self.combine_options.chunk_rows,
+                              backend=self.combine_options.backend)
         return summed.to(permuted.dtype)
 
 

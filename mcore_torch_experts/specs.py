@@ -62,7 +62,7 @@ def torch_experts_spec() -> ModuleSpec:
 
 def wants_torch_experts(config: TransformerConfig, absent: str = "transformer_engine") -> bool:
     """Whether `config.moe_expert_gemm_backend` (a field or a plain attribute; `absent` when the
-    config has neither) says "torch"; any value other than BACKENDS is a TorchExpertsConfigError."""
+    config has neither) says "torch"; any value other than an ExpertGemmBackend is a TorchExpertsConfigError."""
     backend = getattr(config, "moe_expert_gemm_backend", absent)
     check_backend(backend)
     return backend == "torch"
