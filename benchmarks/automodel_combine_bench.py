@@ -6,7 +6,7 @@ The ways, on one module (same weights, same inputs):
   - shipped: `y.scatter_add_(0, ids, output2.float())`, as released,
   - fork loop: the reported workaround (NEMO_AUTOMODEL_MOE_SCATTER_CHUNK_ROWS=4096): the same cast
     and scatter --chunk-rows rows at a time, through ordinary autograd (combine_bench's loop),
-  - fp32_combine torch / triton: `mcore_torch_experts.automodel.install_fp32_combine`.
+  - fp32_combine torch / triton: `mcore_torch_experts.integrations.automodel.install_fp32_combine`.
 Up to output2 the module runs as shipped in all of them (`install_combine` swaps the last step).
 Experts frozen (adapter training) or trainable (full fine-tuning, the report's GRPO run); the
 hidden states and routing weights require grad in both. One rank's shape, DeepSeek-V3-like by

@@ -1,6 +1,6 @@
 """Megatron-Bridge's per-expert LoRA (`share_expert_adapters=False`) on TorchGroupedMLP: one
 forward+backward of the experts module with the adapters on the grouped path (one grouped GEMM
-per projection, mcore_torch_experts.bridge) against Bridge's own forward of the same adapters
+per projection, mcore_torch_experts.integrations.bridge) against Bridge's own forward of the same adapters
 (a slice per expert, a `.tolist()` of the splits), and without adapters.
 
 Per shape (shapes.SHAPES, uniform and Zipf routing, the splits on the GPU): device ms (CUDA
@@ -85,7 +85,7 @@ def main():
     from megatron.bridge.peft.adapter_wrapper import AdapterWrapper
 
     import mcore_torch_experts
-    from mcore_torch_experts.bridge import _ORIGINAL
+    from mcore_torch_experts.integrations.bridge import _ORIGINAL
 
     mcore_torch_experts.register_with_megatron_bridge()
     grouped_forward = AdapterWrapper.adapter_forward

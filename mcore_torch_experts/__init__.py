@@ -2,7 +2,6 @@
 
 __version__ = "0.1.0"  # the distribution's version too (setup.cfg reads it)
 
-from .bridge import check_bridge_peft, merge_bridge_lora, register_with_megatron_bridge
 from .combine import CHUNK_ROWS_ENV, DEFAULT_CHUNK_ROWS, chunk_rows_from_env, fp32_combine
 from .config import (
     TorchExpertsConfigError,
@@ -12,6 +11,7 @@ from .config import (
 )
 from .convert import ConversionSummary, convert_experts_to_torch
 from .experts import TorchGroupedLinear, TorchGroupedMLP
+from .integrations.bridge import check_bridge_peft, merge_bridge_lora, register_with_megatron_bridge
 from .kernels.grouped_gemm import find_grouped_mm, frozen_grouped_linear, group_offsets
 from .lora import LoRALinear, apply_lora, load_lora_state_dict, lora_parameters, lora_state_dict
 from .model import build_gpt_model, build_moe_layer

@@ -331,7 +331,7 @@ def main(out: Path, result_path: Path) -> None:
     init_single_process_megatron()
     from megatron.bridge.peft.lora import LoRA
 
-    from mcore_torch_experts.bridge import merge_bridge_lora
+    from mcore_torch_experts.integrations.bridge import merge_bridge_lora
 
     example.make_tiny_checkpoint(out / "hf_tiny", seed=4)
     bridge, provider = provider_for(out / "hf_tiny")

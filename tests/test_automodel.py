@@ -34,13 +34,14 @@ from nemo_automodel.components.moe.experts import GroupedExperts, GroupedExperts
 from nemo_automodel.components.moe.layers import MoE  # noqa: E402
 
 from doc_snippets import DOCS, run_snippet  # noqa: E402
-from mcore_torch_experts import automodel, combine  # noqa: E402
-from mcore_torch_experts.automodel import (  # noqa: E402
+from mcore_torch_experts import combine  # noqa: E402
+from mcore_torch_experts.combine import fp32_combine  # noqa: E402
+from mcore_torch_experts.integrations import automodel  # noqa: E402
+from mcore_torch_experts.integrations.automodel import (  # noqa: E402
     AutomodelCombineError,
     install_fp32_combine,
     remove_combine,
 )
-from mcore_torch_experts.combine import fp32_combine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS, HIDDEN, FFN, EXPERTS, TOP_K = 40, 64, 24, 8, 3
@@ -236,7 +237,7 @@ import torch
 sys.path[:0] = sys.argv[1:3]
 from harness import Meter
 from test_automodel import grouped_experts, routed_batch
-from mcore_torch_experts.automodel import install_fp32_combine
+from mcore_torch_experts.integrations.automodel import install_fp32_combine
 
 tokens, hidden, experts, top_k, chunk_rows = map(int, sys.argv[3:])
 module = grouped_experts(torch.bfloat16, dim=hidden, n_routed_experts=experts,

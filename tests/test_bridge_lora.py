@@ -15,7 +15,7 @@ from mcore_torch_experts import (
     TorchGroupedMLP,
     register_with_megatron_bridge,
 )
-from mcore_torch_experts.bridge import _ORIGINAL, merge_bridge_lora
+from mcore_torch_experts.integrations.bridge import _ORIGINAL, merge_bridge_lora
 from mcore_torch_experts.specs import get_gpt_decoder_block_spec
 from reference import make_config, rel_err
 from tiny_gpt import SEQ, VOCAB, fp32_moe_config, lm_batch, sequential_to_grouped
@@ -593,7 +593,7 @@ def test_merge_refuses_expert_tensor_parallelism_and_changes_nothing(bridge, meg
                                                                      monkeypatch):
     """Expert TP > 1 (the packed buffer is a shard of each expert): refused, naming the module
     and the setting. One process stands for it by answering 2 for the experts' ETP group."""
-    import mcore_torch_experts.bridge as ours
+    import mcore_torch_experts.integrations.bridge as ours
 
     model = gpt("torch")
     bridge["LoRA"](target_modules=TARGETS, dim=8)(model)
@@ -699,7 +699,7 @@ def test_per_expert_adapters_run_grouped_bitwise_run_to_run_and_as_bridge_s_path
         bridge, megatron_cpu, bridge_per_expert_forward, splits_name, monkeypatch):
     """The grouped path runs (Bridge's forward is refused, ours counted), twice bitwise equal,
     and within FP32 rounding of Bridge's own per-expert loop on the same model and inputs."""
-    from mcore_torch_experts import bridge as ours
+    from mcore_torch_experts.integrations import bridge as ours
 
     grouped_calls = []
     forward = ours.grouped_expert_adapter_forward
@@ -788,7 +788,7 @@ def test_a_setting_grouped_gemm_cannot_take_runs_bridge_s_forward_and_says_so_on
     the FP64 loop), and one warning names the setting."""
     import logging
 
-    from mcore_torch_experts import bridge as ours
+    from mcore_torch_experts.integrations import bridge as ours
 
     ours._LOGGED_OBSTACLES.clear()
     bridge_per_expert_forward.allow()

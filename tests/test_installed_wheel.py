@@ -327,9 +327,9 @@ def test_every_module_of_the_installed_package_imports_from_it(installed):
         package_modules()
     assert all(in_folder(path, installed["site"]) for path in modules.values())
     # What only an integration's client can stop: the experts, specs and kernels import anywhere.
-    assert {f"{NAME}.{m}" for m in ("experts", "specs", "config", "lora", "bridge", "convert",
-                                    "kernels.activation_triton", "kernels.fused_experts_triton",
-                                    "kernels.choice")} <= set(modules)
+    assert {f"{NAME}.{m}" for m in ("experts", "specs", "config", "lora", "convert",
+                                    "integrations.bridge", "kernels.activation_triton",
+                                    "kernels.fused_experts_triton", "kernels.choice")} <= set(modules)
 
 
 def test_the_leg_meets_the_wheels_requirements(installed):
@@ -340,7 +340,7 @@ def test_the_leg_meets_the_wheels_requirements(installed):
 def test_every_documented_import_path_resolves_from_the_installed_wheel(installed):
     paths = installed["inputs"]["import_paths"]
     assert [NAME + ".specs", "torch_experts_gpt_spec"] in paths  # the docs were read
-    assert [NAME + ".automodel", "install_fp32_combine"] in paths
+    assert [NAME + ".integrations.automodel", "install_fp32_combine"] in paths
     assert missing_from_the_leg(installed["unresolved_import_paths"]) == {}
     assert installed["defined_outside_venv"] == {}
     # Only the paths into a module that failed for its client's absence are left unresolved.

@@ -1,6 +1,7 @@
 """The package's shape: no import circle between its modules (function-level imports included),
-the experts module imports no optional integration, directly or through other modules, and the
-kernels wing imports nothing of the package outside it but the package's error type."""
+the experts module imports no optional integration, directly or through other modules, the
+kernels wing imports nothing of the package outside it but the package's error type, and only
+the package's __init__ imports the integrations wing."""
 
 import ast
 from pathlib import Path
@@ -81,7 +82,8 @@ def test_no_import_circle_between_package_modules():
 
 def test_experts_module_imports_no_integration():
     """Nor does any package module that experts.py imports, however far down."""
-    integrations = {"automodel", "bridge", "lora", "convert", "upcycling"}
+    integrations = {"integrations", "integrations.automodel", "integrations.bridge", "lora",
+                    "convert", "upcycling"}
     graph = package_imports()
     reached, todo = set(), ["experts"]
     while todo:
@@ -89,6 +91,14 @@ def test_experts_module_imports_no_integration():
         reached |= new
         todo.extend(new)
     assert not reached & integrations, sorted(reached)
+
+
+def test_only_the_package_init_imports_the_integrations():
+    graph = package_imports()
+    wing = {m for m in MODULES if m == "integrations" or m.startswith("integrations.")}
+    assert {"integrations.bridge", "integrations.automodel"} <= wing
+    importers = {m for m, imported in graph.items() if imported & wing and m not in wing}
+    assert importers == {"__init__"}, importers
 
 
 def test_the_kernels_wing_imports_only_itself_and_the_error_type():

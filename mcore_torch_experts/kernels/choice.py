@@ -154,7 +154,7 @@ ADAPTER_READERS: List[AdapterReader] = []
 """Adapter systems whose wrappers the fused kernels compute add a reader here: called with an
 expert linear, the grouped-linear type and the experts' input, it returns the linear's
 FusedAdapter when the wrapper is one of theirs, else None. lora.py adds this package's and
-bridge.py Megatron-Bridge's, so the kernels import neither."""
+integrations/bridge.py Megatron-Bridge's, so the kernels import neither."""
 
 
 def read_fused_adapter(linear: torch.nn.Module, linear_type: type,

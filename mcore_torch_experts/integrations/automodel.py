@@ -33,7 +33,7 @@ from nemo_automodel.components.moe.experts import (
 )
 from torch.distributed.tensor import DTensor
 
-from .combine import check_options, fp32_combine
+from ..combine import check_options, fp32_combine
 
 VERIFIED_VERSIONS = ("0.7.0", "0.4.0")
 """nemo-automodel releases whose GroupedExperts / GroupedExpertsLoRA._forward_grouped_mm this

@@ -35,10 +35,10 @@ from typing import List, Optional
 import torch
 from megatron.core.utils import get_pg_size
 
-from . import experts
-from .experts import TorchGroupedLinear
-from .kernels.choice import ADAPTER_READERS, FusedAdapter, hooked
-from .kernels.grouped_gemm import Splits, group_offsets
+from .. import experts
+from ..experts import TorchGroupedLinear
+from ..kernels.choice import ADAPTER_READERS, FusedAdapter, hooked
+from ..kernels.grouped_gemm import Splits, group_offsets
 
 _ORIGINAL = "__torch_experts_original__"
 _ATTRIBUTES_FUNCTION = "get_adapter_attributes_from_linear"

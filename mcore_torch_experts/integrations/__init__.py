@@ -1,0 +1,10 @@
+"""Integrations with the clients that drive TorchGroupedMLP and the FP32 combine, each pinned to
+the client's own code and imported only where that client is used:
+
+- `bridge.py`: Megatron-Bridge's PEFT (LoRA, CanonicalLoRA) on TorchGroupedMLP experts,
+  `check_bridge_peft`, `merge_bridge_lora`, and the fused kernels' reader of Bridge's adapters.
+- `automodel.py`: the FP32 combine in NeMo Automodel's grouped experts (`install_fp32_combine`;
+  imports nemo_automodel).
+
+The package's core (experts, kernels, specs) imports nothing from here.
+"""
