@@ -1,21 +1,30 @@
 #!/usr/bin/env bash
-# The Transformer Engine leg, on the H200 device machine (megatron-core 0.19.2, TE 2.20.2,
-# torch 2.11+cu130): the whole test suite with TE importable (CPU tests keep their models on the
-# CPU, CUDA tests run on the GPU, the TE tests tests/test_te_*.py run instead of skipping), then
-# the main job with every layer from Megatron's TE spec. Ends with one summary line.
+# The Transformer Engine leg, on a machine with one CUDA GPU:
+#   bash scripts/gpu_te.sh OUT_DIR [pytest arguments, default: tests]
+# Runs the whole test suite with TE importable (CPU tests keep their models on the CPU, CUDA tests
+# run on the GPU, the TE tests tests/test_te_*.py run instead of skipping), prints the parity
+# figures of tests/test_te_parity.py, then runs the main job with every layer from Megatron's TE
+# spec (examples/finetune_lora.py --transformer-engine). Ends with one summary line; the logs and
+# junit.xml land in OUT_DIR.
 #
-# TE is installed as ../shared/te-h200/README.md says (five copy calls, then install.sh in the
-# same call as this script); .whl carries megatron-core 0.19.2, megatron-bridge 0.6.2, omegaconf
-# and antlr4-python3-runtime:
-#   bash .te/install.sh && bash scripts/gpu_te.sh OUT_DIR [pytest arguments, default: tests]
+# python3 must import torch (CUDA), Transformer Engine (pip install .[te], or NVIDIA's PyTorch
+# container, which ships it; checked with 2.20.2), megatron-core 0.19 (scripts/gpu_te_legs.sh
+# runs the TE tests on 0.16 to 0.18), megatron-bridge 0.6 for Bridge's tests (they skip without
+# it), pytest and pytest-xdist (pip install .[te,test] pytest-xdist). A machine without network can bring wheels
+# instead: those in .whl/ are installed into /tmp/site first, and /tmp/te/site (TE installed
+# there) and /tmp/site go on PYTHONPATH, each only where it exists.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:?usage: scripts/gpu_te.sh OUT_DIR [pytest arguments]}"
 shift
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH="/tmp/te/site:/tmp/site:$PWD" PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+fi
+path=""
+for dir in /tmp/te/site /tmp/site; do [ -d "$dir" ] && path="$path$dir:"; done
+export PYTHONPATH="$path$PWD" PYTHONUNBUFFERED=1
 python3 -W ignore -c "import torch, transformer_engine as te, megatron.core as m; print(f'[te leg] torch {torch.__version__}, Transformer Engine {te.__version__}, megatron-core {m.__version__}, {torch.cuda.get_device_name()}')" \
   2>&1 | tee "$out/te_leg.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu_te: Transformer Engine does not import"; exit 1; }

@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# The TE tests on the older megatron-core releases, on the H200 device machine: for each leg
-# (default 0.16.1 0.17.1 0.18.2) its megatron-core wheel from .whl-legs/ goes into its own
-# /tmp/site-LEG, and the TE test files plus the CUDA-host and model files run there with
-# Transformer Engine 2.20.2 importable, the legs side by side (pytest-xdist, 4 workers each).
-# megatron-bridge 0.6.2 needs megatron-core 0.19, so Bridge's tests skip on these legs, saying so.
+# The TE tests on the older megatron-core releases, on a machine with one CUDA GPU:
+#   bash scripts/gpu_te_legs.sh OUT_DIR [LEGS] [-- pytest files]
+# For each leg (default 0.16.1 0.17.1 0.18.2) that megatron-core release goes into its own
+# /tmp/site-LEG, and the TE test files plus the CUDA-host and model files run against it with
+# Transformer Engine importable, the legs side by side (pytest-xdist, 4 workers each).
+# megatron-bridge 0.6 needs megatron-core 0.19, so Bridge's tests skip on these legs, saying so.
 #
-# .whl-legs/ (git-ignored) holds the Python 3.12 wheels: bash scripts/gpu_te_legs.sh --fetch
-# fills it here (pip download, about 6 MB). On the device, after TE's five copy calls
-# (../shared/te-h200/README.md), carrying .te/w, .te/install.sh, .te/cu13.md5,
-# .te/transformer_engine_torch-2.20.2.tar.gz and .whl-legs:
-#   bash .te/install.sh && bash scripts/gpu_te_legs.sh OUT_DIR [LEGS] [-- pytest files]
-# LEG_TIMEOUT (default 540 s) bounds each leg: the three legs side by side had not finished after
-# 350 s on the H200 (0.18.2 at 78%), so give the call its 600 s or run fewer legs per call. Every
-# test's result is logged as it ends (pytest -v), and the timeout interrupts pytest (SIGINT) so
-# that it still prints its summary: a leg cut off by the timeout still names its failures.
+# python3 must import torch (CUDA) and Transformer Engine (pip install .[te], or NVIDIA's PyTorch
+# container; checked with 2.20.2), pytest and pytest-xdist. Each leg's megatron-core wheel comes
+# from .whl-legs/ where it is there, else from the package index (pip install --no-deps
+# megatron-core==LEG --target /tmp/site-LEG). A machine without network gets the wheels from
+# .whl-legs/ (git-ignored; Python 3.12 wheels, about 6 MB), filled on a machine with network by
+#   bash scripts/gpu_te_legs.sh --fetch
+# and TE from /tmp/te/site, which goes on PYTHONPATH where it exists.
+# LEG_TIMEOUT (default 540 s) bounds each leg: on an H200 the three legs side by side took 7 min
+# 20 s; under a tighter limit run fewer legs per call. Every test's result is logged as it ends
+# (pytest -v), and the timeout interrupts pytest (SIGINT) so that it still prints its summary: a
+# leg cut off by the timeout still names its failures.
 # Prints them and one summary line per leg; exits non-zero when a leg fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,21 +46,29 @@ files=("$@")
   tests/test_fp32_combine_layer.py)
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-PYTHONPATH=/tmp/te/site python3 -c \
+# TE installed into /tmp/te/site (a machine without network) goes in front of every leg's path.
+te_path="" check_path=${PYTHONPATH:-}
+if [ -d /tmp/te/site ]; then te_path=/tmp/te/site: check_path=/tmp/te/site; fi
+PYTHONPATH="$check_path" python3 -c \
   "import transformer_engine as te; print('Transformer Engine', te.__version__)" 2>/dev/null \
   | tail -n 1 | grep -q "Transformer Engine" \
-  || { echo "gpu_te_legs: Transformer Engine does not import from /tmp/te/site" \
-         "(run .te/install.sh first)"; exit 1; }
+  || { echo "gpu_te_legs: Transformer Engine does not import" \
+         "(pip install .[te], or NVIDIA's PyTorch container)"; exit 1; }
 for leg in "${legs[@]}"; do
   wheel=$(ls .whl-legs/megatron_core-"$leg"-*.whl 2>/dev/null | head -n 1)
-  [ -n "$wheel" ] || { echo "gpu_te_legs: no megatron-core $leg wheel in .whl-legs (--fetch)"; exit 1; }
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "/tmp/site-$leg" "$wheel" || exit 1
+  if [ -n "$wheel" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "/tmp/site-$leg" "$wheel" || exit 1
+  else
+    python3 -m pip install -q --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "/tmp/site-$leg" "megatron-core==$leg" \
+      || { echo "gpu_te_legs: megatron-core $leg neither in .whl-legs (--fetch) nor installable"; exit 1; }
+  fi
 done
 pids=()
 for leg in "${legs[@]}"; do
   (
-    export PYTHONPATH="/tmp/te/site:/tmp/site-$leg:$PWD"
+    export PYTHONPATH="$te_path/tmp/site-$leg:$PWD"
     python3 -W ignore -c "import megatron.core as m, transformer_engine as te, torch; \
 print(f'[te leg {m.__version__}] torch {torch.__version__}, Transformer Engine {te.__version__}')"
     timeout -s INT -k 30 "${LEG_TIMEOUT:-540}" python3 -m pytest -v -p no:cacheprovider -rfEs -n 4 \
