@@ -162,7 +162,7 @@ def slice_report(result, out_dir) -> tuple:
     lines += results_table(result["rows"]) + [""]
     targets = target_lines(result["rows"])
     if targets:
-        lines += ["Issue 19's targets for TorchGroupedMLP (set at the Super-like slice):", ""]
+        lines += ["The targets for TorchGroupedMLP (set at the Super-like slice):", ""]
         lines += targets + [""]
     plot = None
     moe = moe_side_table(result["rows"])

@@ -14,9 +14,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:?usage: scripts/gpu_automodel.sh OUT_DIR [benchmark options]}/automodel"
 shift
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl-automodel/*.whl
-export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh
+gpu_env .whl-automodel || exit 1
 mkdir -p "$out/near_oom"
 python3 benchmarks/automodel_combine_bench.py --out-dir "$out" "$@" 2>&1 | tee "$out/log.txt"
 python3 - "$out/automodel_combine_bench.json" <<'EOF' | tee -a "$out/log.txt"

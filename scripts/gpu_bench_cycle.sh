@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # The RL cycle on the Transformer Engine stack, on one H200, from the repository root:
 #   bash scripts/gpu_bench_cycle.sh "$OUT" [more bench_cycle.py options]
-# Expects Transformer Engine installed by .te/install.sh (../shared/te-h200/README.md) and
-# megatron-core 0.19 and megatron-bridge 0.6 from .whl/ (installed into /tmp/site here) or on
-# PYTHONPATH (default /tmp/te/site:/tmp/site, then the checkout). First the CPU-sized smoke
+# Expects Transformer Engine, megatron-core 0.19 and megatron-bridge 0.6 installed (or wheels in
+# .whl/ on a machine without network: scripts/gpu_env.sh). First the CPU-sized smoke
 # (tests/test_bench_smoke.py, which on a CUDA host with TE runs the tiny TE-stack arms, a minute),
 # then the benchmark: the Super-like slice first (the headline), then Qwen3-30B-A3B at 4 and 16 MoE
 # layers (16 layers: 3 measured rounds, not profiled). SKIP_SMOKE=1 leaves the smoke out;
@@ -22,13 +21,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:?usage: scripts/gpu_bench_cycle.sh OUT_DIR [bench_cycle.py options]}"
 shift
-# The carried wheels (.whl/: megatron-core 0.19.2, megatron-bridge 0.6.2, omegaconf, antlr4), as
-# scripts/gpu_te.sh installs them, when the checkout has them.
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH="${PYTHONPATH:-/tmp/te/site:/tmp/site}:$PWD" PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh
+gpu_env || exit 1
 mkdir -p "$out/cycle"
 python3 -c "import transformer_engine as te, megatron.core as mc, megatron.bridge; \
 print('TE', te.__version__, 'megatron-core', mc.__version__)"

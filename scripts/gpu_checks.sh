@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The single-GPU checks on the device machine (H200), from the repository root, with `.whl`
-# carried (megatron-core, and for the Bridge tests megatron-bridge with omegaconf and antlr4):
+# The single-GPU checks, from the repository root, with megatron-core installed (and for the
+# Bridge tests megatron-bridge; or wheels in .whl/ on a machine without network: scripts/gpu_env.sh):
 #   bash scripts/gpu_checks.sh OUT_DIR
 # Runs the CUDA tests (bf16 parity, no host syncs, fused activation, the flex dispatcher contract
 # (megatron-core 0.19), the FP32-combine layer with
@@ -11,9 +11,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:?usage: scripts/gpu_checks.sh OUT_DIR}"
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh
+gpu_env || exit 1
 status=0
 python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__, torch.cuda.get_device_name())" | tee "$out/checks.log"
 python3 -m pytest -p no:cacheprovider -rs tests/test_gpu.py tests/test_fp32_combine_layer.py tests/test_combine.py \

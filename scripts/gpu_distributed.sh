@@ -8,11 +8,10 @@
 # Megatron's TEGroupedMLP (same global weights; checkpoints TEGroupedMLP -> TorchGroupedMLP ->
 # TEGroupedMLP across layouts); without it those rows say skipped, and why (REQUIRE_TE=1: fail).
 #
-# Run from the repository root with megatron-core importable and the repository on PYTHONPATH:
-#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-#       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+# Run from the repository root with megatron-core (and TE for the TE rows) importable and the
+# repository on PYTHONPATH (on a machine without network, `source scripts/gpu_env.sh && gpu_env`
+# installs the wheels in .whl/ and sets it):
 #   bash scripts/gpu_distributed.sh
-# With TE (installed as ../shared/te-h200/README.md says): PYTHONPATH=/tmp/te/site:/tmp/site:$PWD.
 # OUT_DIR (default a fresh /tmp folder) receives the logs and each rank's JSON; LAUNCH_TIMEOUT
 # (default 300 s) bounds each torchrun launch. Prints one parity table; exits non-zero if any
 # check fails (the failing worker's log is shown).

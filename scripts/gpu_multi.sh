@@ -7,10 +7,9 @@
 # torchrun: arms te, te-cutlass, torch interleaved, the Super-like slice with 128 experts per rank,
 # then Qwen3-30B-A3B; median and range, peak memory of the highest rank).
 #
-# TE is installed as ../shared/te-h200/README.md says (five copy calls, then install.sh in the
-# same call as this script); .whl carries megatron-core 0.19.2, megatron-bridge 0.6.2, omegaconf
-# and antlr4-python3-runtime:
-#   bash .te/install.sh && bash scripts/gpu_multi.sh "$OUT" [more bench_cycle.py options]
+# python3 must import torch (CUDA), Transformer Engine, megatron-core 0.19 and megatron-bridge 0.6
+# (installed, or wheels in .whl/ on a machine without network: scripts/gpu_env.sh):
+#   bash scripts/gpu_multi.sh "$OUT" [more bench_cycle.py options]
 # Writes "$OUT/summary.txt" (the parity output and the cycle report) and "$OUT/gpu_multi.tar.gz"
 # (every log and rank's JSON, the cycle's results.md, results.json and log). BUDGET_S (default
 # 540) bounds the whole run: the parity suite gets PARITY_S of it (default 270), the benchmark
@@ -22,11 +21,11 @@ cd "$(dirname "$0")/.."
 out="${1:?usage: scripts/gpu_multi.sh OUT_DIR [bench_cycle.py options]}"
 shift
 start=$SECONDS
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
+source scripts/gpu_env.sh
+gpu_env || exit 1
 # NVLink multicast stays off: on shared hosts it can put every GPU out of service.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH="/tmp/te/site:/tmp/site:$PWD" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+export OMP_NUM_THREADS=4
 work="$out/gpu_multi"
 mkdir -p "$work/cycle"
 python3 -W ignore -c "import torch, transformer_engine as te, megatron.core as m; print(f'[gpu_multi] {torch.cuda.device_count()} x {torch.cuda.get_device_name()}, torch {torch.__version__}, Transformer Engine {te.__version__}, megatron-core {m.__version__}')" \

@@ -18,13 +18,8 @@ cd "$(dirname "$0")/.."
 out="${1:?usage: scripts/gpu_te.sh OUT_DIR [pytest arguments]}"
 shift
 mkdir -p "$out"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-fi
-path=""
-for dir in /tmp/te/site /tmp/site; do [ -d "$dir" ] && path="$path$dir:"; done
-export PYTHONPATH="$path$PWD" PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh
+gpu_env || exit 1
 python3 -W ignore -c "import torch, transformer_engine as te, megatron.core as m; print(f'[te leg] torch {torch.__version__}, Transformer Engine {te.__version__}, megatron-core {m.__version__}, {torch.cuda.get_device_name()}')" \
   2>&1 | tee "$out/te_leg.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu_te: Transformer Engine does not import"; exit 1; }

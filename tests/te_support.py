@@ -1,6 +1,7 @@
 """What the Transformer Engine tests share: the skip rule, and tiny GPT-MoE models built from
 Megatron's TE spec (TE attention and linears) on CUDA in BF16, with TEGroupedMLP or TorchGroupedMLP
-experts. The TE tests run in the TE leg (scripts/gpu_te.sh on the H200); elsewhere they skip."""
+experts. The TE tests run in the TE leg (scripts/gpu_te.sh on a GPU host with TE installed;
+docs/transformer_engine.md); elsewhere they skip."""
 
 import importlib.util
 
@@ -16,8 +17,8 @@ HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 needs_te = [
     pytest.mark.skipif(not torch.cuda.is_available(),
                        reason="needs a CUDA device: Transformer Engine runs on CUDA only"),
-    pytest.mark.skipif(not HAVE_TE, reason="needs Transformer Engine, which cannot be built on "
-                       "the CPU machines (the TE leg: scripts/gpu_te.sh on the H200)"),
+    pytest.mark.skipif(not HAVE_TE, reason="needs Transformer Engine (pip install .[te] on a GPU "
+                       "host; the TE leg: scripts/gpu_te.sh, docs/transformer_engine.md)"),
 ]
 
 
