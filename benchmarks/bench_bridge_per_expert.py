@@ -12,11 +12,10 @@ the grouped path's output and adapter gradients against Bridge's. Prints a markd
 """
 
 import argparse
-import sys
 
 import torch
 
-from experts_impls import REPO_ROOT, init_megatron, make_config, rel_err
+from experts_impls import init_megatron, make_config, rel_err
 from harness import markdown_table, median_ms
 from shapes import SHAPES, TINY_SHAPES, make_splits
 
@@ -78,8 +77,7 @@ def main():
     shapes = TINY_SHAPES if args.tiny else SHAPES
     if args.tiny:
         args.shapes, args.warmup, args.reps = ",".join(TINY_SHAPES), 1, 2
-    sys.path.insert(0, str(REPO_ROOT / "examples"))
-    from cpu_support import import_megatron_bridge
+    from mcore_torch_experts.testing.cpu_support import import_megatron_bridge
 
     import_megatron_bridge()
     from megatron.bridge.peft.adapter_wrapper import AdapterWrapper

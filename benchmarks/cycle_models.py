@@ -25,15 +25,11 @@ import math
 import os
 import re
 import sys
-from pathlib import Path
 from typing import Optional
 
 import torch
 
 from shapes import ModelSlice
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "examples")]  # a checkout, and cpu_support
 
 TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 CUTLASS_ENV = "NVTE_USE_CUTLASS_GROUPED_GEMM"
@@ -203,7 +199,7 @@ def add_adapters(model, args, expert_adapters: str) -> None:
     `expert_adapters`, "shared" or "per_expert") or ours (BF16 adapters, as Bridge's)."""
     if args.adapters == "bridge":
         import mcore_torch_experts
-        from cpu_support import import_megatron_bridge
+        from mcore_torch_experts.testing.cpu_support import import_megatron_bridge
 
         import_megatron_bridge()  # the real import with TE; a stand-in without it (CPU)
         mcore_torch_experts.register_with_megatron_bridge()

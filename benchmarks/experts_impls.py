@@ -4,7 +4,6 @@ legacy GroupedMLP), each as forward() -> (out, ctx) and backward(ctx) -> the inp
 and `measure`, which makes one row of an implementation with the harness's Meter.
 """
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -15,7 +14,6 @@ from harness import error_note, version
 from shapes import Shape
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))  # runs from a checkout without installing the package
 
 OURS_CPU = "TorchGroupedMLP (CPU splits)"
 OURS_GPU = "TorchGroupedMLP (GPU splits)"

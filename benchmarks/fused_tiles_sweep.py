@@ -9,7 +9,6 @@ against `fc2_dgrad_activation`. CUDA events, median of --reps after warm-ups. Wr
 """
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
@@ -19,7 +18,6 @@ from harness import header as bench_header
 from shapes import SHAPES, make_splits
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))  # the package from a checkout
 
 CANDIDATES = {  # Tiles(block_m, block_n, block_k, warps, stages)
     "fc1": [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3),

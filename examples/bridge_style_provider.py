@@ -22,14 +22,14 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from cpu_support import (
+from mcore_torch_experts import TorchExpertsTransformerConfig
+from mcore_torch_experts.specs import gpt_transformer_layer_spec
+from mcore_torch_experts.testing.cpu_support import (
     describe_layers,
     init_single_process_megatron,
     shutdown_megatron,
     training_step_loss,
 )
-from mcore_torch_experts import TorchExpertsTransformerConfig
-from mcore_torch_experts.specs import gpt_transformer_layer_spec
 
 MODEL_OVERRIDES = {"moe_expert_gemm_backend": "torch", "moe_grouped_gemm": True}
 

@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from cpu_support import init_single_process_megatron, shutdown_megatron
 from mcore_torch_experts import TorchExpertsTransformerConfig, TorchGroupedMLP, build_moe_layer
+from mcore_torch_experts.testing.cpu_support import init_single_process_megatron, shutdown_megatron
 
 
 def make_config(args, backend):

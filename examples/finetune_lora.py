@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 from megatron.core.models.gpt import GPTModel
 
-from cpu_support import init_single_process_megatron, shutdown_megatron
 from mcore_torch_experts import TorchExpertsTransformerConfig, TorchGroupedMLP, build_moe_layer
 from mcore_torch_experts.lora import (
     apply_lora,
@@ -38,6 +37,7 @@ from mcore_torch_experts.lora import (
 )
 from mcore_torch_experts.model import build_gpt_model
 from mcore_torch_experts.specs import get_gpt_decoder_block_spec
+from mcore_torch_experts.testing.cpu_support import init_single_process_megatron, shutdown_megatron
 
 TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 STEPS = (1, 2, 3, 5)  # the synthetic language: x[t+1] = (x[t] + step) mod vocab

@@ -19,15 +19,15 @@ import json
 import torch
 from megatron.core.models.gpt import GPTModel
 
-from cpu_support import (
+from mcore_torch_experts import TorchExpertsTransformerConfig
+from mcore_torch_experts.config import ExpertGemmBackend
+from mcore_torch_experts.specs import torch_experts_gpt_spec
+from mcore_torch_experts.testing.cpu_support import (
     describe_layers,
     init_single_process_megatron,
     shutdown_megatron,
     training_step_loss,
 )
-from mcore_torch_experts import TorchExpertsTransformerConfig
-from mcore_torch_experts.config import ExpertGemmBackend
-from mcore_torch_experts.specs import torch_experts_gpt_spec
 
 _ARGS = None  # Megatron-LM: megatron.training.get_args()
 

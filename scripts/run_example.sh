@@ -13,7 +13,7 @@ leg=${MCORE_TORCH_EXPERTS_LEG:-0.16.1}
 example=${MCORE_TORCH_EXPERTS_EXAMPLE:-finetune_lora}
 if [ ! -f "examples/$example.py" ]; then
   echo "MCORE_TORCH_EXPERTS_EXAMPLE=$example: no examples/$example.py; choose one of:" \
-    $(cd examples && ls *.py | grep -v cpu_support | sed 's/\.py$//') >&2
+    $(cd examples && ls *.py | sed 's/\.py$//') >&2
   exit 2
 fi
 setup_leg "$leg"

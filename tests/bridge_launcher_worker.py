@@ -1,5 +1,5 @@
 """Run by test_launchers.py in its own process (Bridge's import needs a Transformer Engine stand-in,
-see examples/cpu_support.import_megatron_bridge, that must not reach other tests): Megatron-Bridge
+see mcore_torch_experts.testing.cpu_support.import_megatron_bridge, that must not reach other tests): Megatron-Bridge
 0.6 end to end with the launcher spec named on the provider. A tiny local HF Qwen3-MoE checkpoint
 through `AutoBridge` into a provider whose `transformer_layer_spec` is
 `mcore_torch_experts.specs.torch_experts_gpt_spec`, Bridge's LoRA on the experts, a few training
@@ -16,11 +16,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-sys.path.insert(0, str(Path(__file__).parent))
-import hf_roundtrip as example  # noqa: E402
-from cpu_support import import_megatron_bridge, init_single_process_megatron  # noqa: E402
-from doc_snippets import run_snippet, snippet  # noqa: E402
+import hf_roundtrip as example
+from doc_snippets import run_snippet, snippet
+from mcore_torch_experts.testing.cpu_support import (
+    import_megatron_bridge,
+    init_single_process_megatron,
+)
 
 
 def experts_classes(model) -> list:

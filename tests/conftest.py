@@ -1,23 +1,24 @@
 """Every fixture of the tests: a one-process gloo world with Megatron's parallel state, with the
-patches of examples/cpu_support.megatron_patches (the one table, each patch with its reason)
+patches of mcore_torch_experts.testing.cpu_support.megatron_patches (the one table, each patch with its reason)
 applied and undone after each test. The code under test is not patched."""
 
 import os
 import socket
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))  # cpu_support
-# Child processes (examples, workers, torchrun, benchmarks) import this checkout's package, not
-# whichever copy an editable install points at.
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+from mcore_torch_experts.testing.cpu_support import megatron_patches
+from triton_interpreter import interpreter_is_on, run_interpreted
 
-from cpu_support import megatron_patches  # noqa: E402
-from triton_interpreter import interpreter_is_on, run_interpreted  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+# Child processes (examples, workers, torchrun, benchmarks) import this checkout's package, not
+# whichever copy an editable install points at, and the suite's own modules (tests/: the
+# references and model presets; benchmarks/: the harness), as this process does through pytest's
+# `pythonpath` setting (setup.cfg).
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [
+    str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]))
 
 
 def _apply(monkeypatch, patches):

@@ -1,5 +1,5 @@
 """Run by test_hf_roundtrip.py in its own process (Bridge's import needs a Transformer Engine
-stand-in, see examples/cpu_support.import_megatron_bridge, that must not reach other tests):
+stand-in, see mcore_torch_experts.testing.cpu_support.import_megatron_bridge, that must not reach other tests):
 imports a tiny HF Qwen3-MoE checkpoint with Megatron-Bridge into TorchGroupedMLP experts, exports
 it, trains and merges adapters, and writes what it measured as JSON to argv[2].
 
@@ -12,9 +12,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-import hf_roundtrip as example  # noqa: E402
-from cpu_support import import_megatron_bridge, init_single_process_megatron  # noqa: E402
+import hf_roundtrip as example
+from mcore_torch_experts.testing.cpu_support import (
+    import_megatron_bridge,
+    init_single_process_megatron,
+)
 
 
 def expert_weights_match(model, original, config) -> bool:

@@ -6,8 +6,8 @@ Megatron-LM's own helper and build the model from it the way Megatron-LM does, r
 `_target_` strings Bridge's run_config.yaml records, and every import path the docs name. Writes
 what it found as JSON to the path in argv[1]; argv[2] is a JSON object of inputs.
 
-Nothing here imports from the repository: the CPU patch table (examples/cpu_support.py, plain
-Megatron-Core patches) is loaded from its file by path, as a module of its own.
+Nothing here imports from the repository: the CPU patch table comes from the installed wheel
+too (mcore_torch_experts.testing.cpu_support).
 """
 
 import importlib
@@ -73,20 +73,14 @@ def main(out_path, inputs):
             defined_outside[key] = source
     result["unresolved_import_paths"], result["defined_outside_venv"] = unresolved, defined_outside
 
-    sys.modules["cpu_support"] = cpu_support = load_by_path("cpu_support", inputs["cpu_support"])
-    cpu_support.init_single_process_megatron(on_cpu=True)
+    from mcore_torch_experts.testing.cpu_support import init_single_process_megatron
+
+    init_single_process_megatron(on_cpu=True)
     result["megatron_lm_spec"] = megatron_lm_spec_route(inputs)
     result["bridge_targets"] = bridge_targets(inputs)
     result["entry_points"] = entry_point_specs(inputs)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
-
-
-def load_by_path(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def has_module(name):

@@ -1,7 +1,8 @@
 """Run one of Megatron-LM's own launcher scripts, unchanged, on a CPU-only host: the CPU patch
-table (examples/cpu_support.py: `megatron_patches`, `megatron_lm_patches`) is applied, then the
-script runs as `__main__` with the arguments given, CUDA tensors made on the CPU. Started by
-torchrun from tests/test_megatron_lm.py:
+table (mcore_torch_experts.testing.cpu_support: `megatron_patches`, `megatron_lm_patches`) is
+applied, then the script runs as `__main__` with the arguments given, CUDA tensors made on the
+CPU. Started by torchrun from tests/test_megatron_lm.py, with the script's folder on PYTHONPATH
+(where `python pretrain_gpt.py` would find its sibling modules):
 
     torchrun --nproc-per-node 1 tests/megatron_lm_cpu_launch.py SCRIPT [ARGS...]
 """
@@ -10,14 +11,17 @@ import runpy
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-from cpu_support import CudaTensorsOnTheCpu, apply, megatron_lm_patches, megatron_patches  # noqa: E402
+from mcore_torch_experts.testing.cpu_support import (
+    CudaTensorsOnTheCpu,
+    apply,
+    megatron_lm_patches,
+    megatron_patches,
+)
 
 
 def main() -> None:
     script = Path(sys.argv[1]).resolve()
     sys.argv = [str(script), *sys.argv[2:]]
-    sys.path.insert(0, str(script.parent))  # as `python pretrain_gpt.py` puts its folder first
     apply(megatron_lm_patches())
     apply(megatron_patches(on_cpu=True))
     with CudaTensorsOnTheCpu():

@@ -16,12 +16,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-sys.path.insert(0, str(Path(__file__).parent))
-from cpu_support import init_single_process_megatron  # noqa: E402
-from doc_snippets import run_snippet, snippet  # noqa: E402
-from reference import rel_err  # noqa: E402
-from tiny_gpt import freeze_experts, sequential_to_grouped  # noqa: E402
+from doc_snippets import run_snippet, snippet
+from mcore_torch_experts.testing.cpu_support import init_single_process_megatron
+from reference import rel_err
+from tiny_gpt import freeze_experts, sequential_to_grouped
 
 # A tiny model, plus what a CPU host needs (local modules, CPU initialisation, no fused kernels,
 # no dropout) and the smallest data/tokenizer settings; the flags of docs/enable.md go on top.

@@ -43,7 +43,6 @@ from mcore_torch_experts.integrations.automodel import (  # noqa: E402
     remove_combine,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 TOKENS, HIDDEN, FFN, EXPERTS, TOP_K = 40, 64, 24, 8, 3
 PADDING_TOKEN = 3  # token_mask False: routed nowhere
 FP32_TOL = 1e-5  # FP32 GEMMs over HIDDEN / FFN terms, relative to the largest reference value
@@ -234,12 +233,11 @@ def test_triton_backend_on_cuda_matches_fp64_and_reproduces(combine_calls):
 MEMORY_PROBE = r"""
 import json, sys
 import torch
-sys.path[:0] = sys.argv[1:3]
 from harness import Meter
 from test_automodel import grouped_experts, routed_batch
 from mcore_torch_experts.integrations.automodel import install_fp32_combine
 
-tokens, hidden, experts, top_k, chunk_rows = map(int, sys.argv[3:])
+tokens, hidden, experts, top_k, chunk_rows = map(int, sys.argv[1:])
 module = grouped_experts(torch.bfloat16, dim=hidden, n_routed_experts=experts,
                          n_activated_experts=top_k).requires_grad_(False)
 x, token_mask, weights, indices, grad_y = routed_batch(torch.bfloat16, tokens, hidden,
@@ -276,8 +274,7 @@ def test_no_full_size_fp32_temporary_in_forward_or_backward():
     fp32_copy, accumulator = tokens * top_k * hidden * 4, tokens * hidden * 4
     chunk, slack = chunk_rows * hidden * 4, 4 * 2 ** 20
     saving = {"forward": fp32_copy - 2 * chunk, "backward": fp32_copy - accumulator - 2 * chunk}
-    args = [str(ROOT / "tests"), str(ROOT / "benchmarks"), tokens, hidden, experts, top_k,
-            chunk_rows]
+    args = [tokens, hidden, experts, top_k, chunk_rows]
     probe = subprocess.run([sys.executable, "-c", MEMORY_PROBE, *map(str, args)],
                            capture_output=True, text=True, timeout=300,
                            env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})

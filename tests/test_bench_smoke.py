@@ -179,7 +179,6 @@ def test_bench_cycle_smoke_at_ep2_under_torchrun(tmp_path):
 
 
 def test_cycle_memory_replay_finds_what_is_alive_at_the_peak():
-    sys.path.insert(0, str(REPO / "benchmarks"))
     import cycle_memory
 
     ours = [{"filename": "/env/site-packages/torch/nn/modules/module.py", "line": 1, "name": "x"},
@@ -214,7 +213,6 @@ def test_cycle_memory_runs_on_a_tiny_slice(tmp_path):
 def test_automodel_combine_bench_measures_each_peak_without_earlier_gradients():
     """Each step's peak is taken from a state that holds no gradients: a gradient left by the
     warm-up call is freed inside the measured call and would take its bytes off the peak."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
     import automodel_combine_bench as bench_module
 
     class Bench:  # the methods measure() calls, with one gradient as the state
@@ -312,7 +310,6 @@ def test_a_parked_arm_trains_on_as_if_it_had_stayed_built():
     import types
     import weakref
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
     import bench_cycle
 
     x = torch.randn(8, 6)
@@ -354,7 +351,6 @@ def test_a_parked_arm_refuses_to_end_a_turn_while_its_model_is_still_referenced(
     arm) is an error naming it; the state was kept, and the next close of a clean turn passes."""
     import types
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
     import bench_cycle
 
     def build():

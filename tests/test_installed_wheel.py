@@ -212,7 +212,6 @@ def installed(built):
     words = documented_flags()
     inputs = {
         "venv": str(venv),
-        "cpu_support": str(REPO / "examples" / "cpu_support.py"),
         "spec_argument": words[words.index("--spec") + 1:words.index("--spec") + 3],
         "entry_points": list(LAUNCHER_ENTRY_POINTS),
         "targets": [f"{NAME}.specs.{name}" for name in LAUNCHER_ENTRY_POINTS],

@@ -70,7 +70,9 @@ def pretrain_gpt(workdir: Path, *args: str) -> str:
     CPU; its log (stdout and stderr) after asserting it exited 0."""
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     env["CUDA_VISIBLE_DEVICES"] = ""
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]),
+    # The script's folder, as `python pretrain_gpt.py` puts it first (gpt_builders.py and
+    # model_provider.py are imported from there).
+    env["PYTHONPATH"] = os.pathsep.join([str(scripts_folder()), str(Path(__file__).parents[1]),
                                          env.get("PYTHONPATH", "")])
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
                "--master-port", str(_free_port()),

@@ -1,7 +1,7 @@
 """The package's shape: no import circle between its modules (function-level imports included),
 the experts module imports no optional integration, directly or through other modules, the
-kernels wing imports nothing of the package outside it but the package's error type, and only
-the package's __init__ imports the integrations wing."""
+kernels wing imports nothing of the package outside it but the package's error type, only the
+package's __init__ imports the integrations wing, and nothing imports the testing wing."""
 
 import ast
 from pathlib import Path
@@ -91,6 +91,13 @@ def test_experts_module_imports_no_integration():
         reached |= new
         todo.extend(new)
     assert not reached & integrations, sorted(reached)
+
+
+def test_no_package_module_imports_the_testing_wing():
+    graph = package_imports()
+    wing = {m for m in MODULES if m == "testing" or m.startswith("testing.")}
+    assert "testing.cpu_support" in wing
+    assert {m for m, imported in graph.items() if imported & wing and m not in wing} == set()
 
 
 def test_only_the_package_init_imports_the_integrations():

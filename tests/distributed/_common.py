@@ -11,16 +11,13 @@ import argparse
 import importlib.util
 import json
 import os
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
-from cpu_support import apply, megatron_patches  # noqa: E402
+from mcore_torch_experts.testing.cpu_support import apply, megatron_patches
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=150)  # a stuck collective raises before the launcher's kill
 
@@ -38,7 +35,7 @@ def base_parser(description: str) -> argparse.ArgumentParser:
 
 def init_processes(device: str) -> torch.device:
     """Join the torchrun world: gloo on the CPU, NCCL with one GPU per local rank on CUDA; the
-    patches of examples/cpu_support.megatron_patches for this device applied."""
+    patches of mcore_torch_experts.testing.cpu_support.megatron_patches for this device applied."""
     apply(megatron_patches(on_cpu=device == "cpu"))
     if device == "cuda":
         local_rank = int(os.environ["LOCAL_RANK"])

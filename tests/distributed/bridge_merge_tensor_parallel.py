@@ -13,14 +13,11 @@ from the factors gathered here. Rank 0 prints one JSON line, a report per rank.
 
 import datetime
 import json
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
-from cpu_support import apply, import_megatron_bridge, megatron_patches  # noqa: E402
+from mcore_torch_experts.testing.cpu_support import apply, import_megatron_bridge, megatron_patches
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # a hang fails
 import_megatron_bridge()
