@@ -332,7 +332,7 @@ class TorchGroupedMLP(MegatronModule):
 
     def _fused_forward(self, hidden, tokens_per_expert, permuted_probs):
         """The fused GEMM path: the packed weights, and the LoRA term of each linear's adapter."""
-        from .kernels.fused_experts_triton import LoRATerm, check_lora, fused_experts
+        from .kernels.fused_experts import LoRATerm, check_lora, fused_experts
 
         bases, terms = [], []
         for linear in (self.linear_fc1, self.linear_fc2):

@@ -103,12 +103,12 @@ def test_forced_fused_gemm_runs_bridges_adapters_as_bridge_does(bridge, megatron
     pytest.importorskip("triton", reason="triton is not installed: the fused kernels are untested")
     if torch.cuda.is_available():
         pytest.skip("on a CUDA host the kernels run compiled, on the GPU (tests/test_gpu.py)")
-    from mcore_torch_experts.kernels import fused_experts_triton
+    from mcore_torch_experts.kernels import fused_experts as fused_module
 
     config, experts = experts_with_bridge_lora(bridge, megatron_cpu, LAYOUTS[layout])
     calls, adapter_calls = [], []
-    real = fused_experts_triton.fused_experts
-    monkeypatch.setattr(fused_experts_triton, "fused_experts",
+    real = fused_module.fused_experts
+    monkeypatch.setattr(fused_module, "fused_experts",
                         lambda *args: calls.append(args[7:]) or real(*args))
     for linear in (experts.linear_fc1, experts.linear_fc2):
         monkeypatch.setattr(linear.adapter, "forward", lambda *a, f=linear.adapter.forward, **k:
@@ -137,7 +137,7 @@ def test_a_disabled_bridge_adapter_adds_no_term(bridge, megatron_cpu, monkeypatc
     pytest.importorskip("triton", reason="triton is not installed: the fused kernels are untested")
     if torch.cuda.is_available():
         pytest.skip("on a CUDA host the kernels run compiled, on the GPU (tests/test_gpu.py)")
-    from mcore_torch_experts.kernels import fused_experts_triton
+    from mcore_torch_experts.kernels import fused_experts as fused_module
 
     _, experts = experts_with_bridge_lora(bridge, megatron_cpu, LAYOUTS["shared"])
     x, probs, _ = inputs()
@@ -146,8 +146,8 @@ def test_a_disabled_bridge_adapter_adds_no_term(bridge, megatron_cpu, monkeypatc
         for linear in (experts.linear_fc1, experts.linear_fc2):
             linear.disable_adapter_layers()
         calls = []
-        real = fused_experts_triton.fused_experts
-        monkeypatch.setattr(fused_experts_triton, "fused_experts",
+        real = fused_module.fused_experts
+        monkeypatch.setattr(fused_module, "fused_experts",
                             lambda *args: calls.append(args[7:]) or real(*args))
         disabled = experts(x, torch.tensor(SPLITS), probs)[0]
         experts.linear_fc1 = experts.linear_fc1.to_wrap

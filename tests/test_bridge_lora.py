@@ -699,7 +699,7 @@ def test_per_expert_adapters_run_grouped_bitwise_run_to_run_and_as_bridge_s_path
         bridge, megatron_cpu, bridge_per_expert_forward, splits_name, monkeypatch):
     """The grouped path runs (Bridge's forward is refused, ours counted), twice bitwise equal,
     and within FP32 rounding of Bridge's own per-expert loop on the same model and inputs."""
-    from mcore_torch_experts.integrations import bridge as ours
+    from mcore_torch_experts.integrations import bridge_adapters as ours
 
     grouped_calls = []
     forward = ours.grouped_expert_adapter_forward
@@ -788,7 +788,7 @@ def test_a_setting_grouped_gemm_cannot_take_runs_bridge_s_forward_and_says_so_on
     the FP64 loop), and one warning names the setting."""
     import logging
 
-    from mcore_torch_experts.integrations import bridge as ours
+    from mcore_torch_experts.integrations import bridge_adapters as ours
 
     ours._LOGGED_OBSTACLES.clear()
     bridge_per_expert_forward.allow()

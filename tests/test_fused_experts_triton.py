@@ -60,7 +60,7 @@ def test_fused_experts_match_fp64_in_the_interpreter():
         pytest.skip("this torch has no CPU grouped_mm for fc2 and fc1's input gradient")
     if torch.cuda.is_available():
         pytest.skip("on a CUDA host the kernels run compiled, on the GPU (tests/test_gpu.py)")
-    from mcore_torch_experts.kernels.fused_experts_triton import fused_experts
+    from mcore_torch_experts.kernels.fused_experts import fused_experts
     from mcore_torch_experts.kernels.grouped_gemm import find_grouped_mm
 
     torch.manual_seed(0)
@@ -309,7 +309,7 @@ def test_fused_experts_with_lora_match_fp64_in_the_interpreter():
         pytest.skip("this torch has no CPU grouped_mm for fc2 and fc1's input gradient")
     if torch.cuda.is_available():
         pytest.skip("on a CUDA host the kernels run compiled, on the GPU (tests/test_gpu.py)")
-    from mcore_torch_experts.kernels.fused_experts_triton import LoRATerm, fused_experts
+    from mcore_torch_experts.kernels.fused_experts import LoRATerm, fused_experts
     from mcore_torch_experts.kernels.grouped_gemm import find_grouped_mm
 
     gmm = find_grouped_mm().fn
@@ -397,7 +397,7 @@ def test_torch_grouped_mlp_fused_gemm_with_adapters_matches_grouped_mm(megatron_
         pytest.skip("this torch has no CPU grouped_mm for fc2 and fc1's input gradient")
     if torch.cuda.is_available():
         pytest.skip("on a CUDA host the kernels run compiled, on the GPU (tests/test_gpu.py)")
-    from mcore_torch_experts.kernels import fused_experts_triton
+    from mcore_torch_experts.kernels import fused_experts as fused_module
     from mcore_torch_experts.lora import lora_parameters
 
     torch.manual_seed(3)
@@ -417,8 +417,8 @@ def test_torch_grouped_mlp_fused_gemm_with_adapters_matches_grouped_mm(megatron_
     probs = torch.rand(rows)
     grad = torch.randn(rows, 40).bfloat16()
     calls = []
-    real = fused_experts_triton.fused_experts
-    monkeypatch.setattr(fused_experts_triton, "fused_experts",
+    real = fused_module.fused_experts
+    monkeypatch.setattr(fused_module, "fused_experts",
                         lambda *args: calls.append(args[7:]) or real(*args))
     adapter_calls = []
     for linear in (experts.linear_fc1, experts.linear_fc2):

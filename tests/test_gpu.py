@@ -385,11 +385,11 @@ def test_auto_kernel_choice_with_our_adapters(megatron_world, monkeypatch, kind)
     """Our adapters on the experts change nothing in the choice: "auto" runs the fused kernels
     (with the adapters in them) exactly where it does without adapters, in the update pass and
     in the logprob pass."""
-    from mcore_torch_experts.kernels import fused_experts_triton
+    from mcore_torch_experts.kernels import fused_experts as fused_module
 
     sm90 = torch.cuda.get_device_capability() == (9, 0)
-    real, calls = fused_experts_triton.fused_experts, []
-    monkeypatch.setattr(fused_experts_triton, "fused_experts",
+    real, calls = fused_module.fused_experts, []
+    monkeypatch.setattr(fused_module, "fused_experts",
                         lambda *args: calls.append(args[7:]) or real(*args))
     for case, fused_here in (("squared_relu", sm90), ("swiglu", False)):
         _, experts, _ = build_pair(megatron_world, **FUSED_CASES[case])

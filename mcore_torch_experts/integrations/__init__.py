@@ -1,8 +1,9 @@
 """Integrations with the clients that drive TorchGroupedMLP and the FP32 combine, each pinned to
 the client's own code and imported only where that client is used:
 
-- `bridge.py`: Megatron-Bridge's PEFT (LoRA, CanonicalLoRA) on TorchGroupedMLP experts,
-  `check_bridge_peft`, `merge_bridge_lora`, and the fused kernels' reader of Bridge's adapters.
+- `bridge.py`: Megatron-Bridge's PEFT (LoRA, CanonicalLoRA) on TorchGroupedMLP experts:
+  registration, `check_bridge_peft`, `merge_bridge_lora`; `bridge_adapters.py`: Bridge's
+  adapters computed on the experts (one grouped GEMM per projection; inside the fused kernels).
 - `automodel.py`: the FP32 combine in NeMo Automodel's grouped experts (`install_fp32_combine`;
   imports nemo_automodel).
 

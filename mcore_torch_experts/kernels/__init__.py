@@ -7,7 +7,7 @@
   autograd Function.
 - `activation_triton.py`: activation x probs in one Triton kernel.
 - `fused_experts_triton.py`: grouped GEMMs with the activation (and LoRA adapters) in their
-  epilogues.
+  epilogues; `fused_experts.py`: the autograd Functions around them and the adapters' term.
 - `combine_triton.py`: the deterministic FP32 top-k combine kernel.
 
 The Triton modules import triton at module level; `choice.py` and `grouped_gemm.py` do not.

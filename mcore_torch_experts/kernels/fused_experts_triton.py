@@ -11,13 +11,11 @@ separately:
 
 fc2 forward and fc1's input gradient are plain grouped GEMMs and stay on torch's grouped_mm.
 
-LoRA adapters on either linear (LoRATerm: shared factors or one pair per expert, scale alpha/r):
-the small `scale * x @ A.T` [T, r] is computed outside (a grouped GEMM per expert), and the fc1
-kernel runs a second, short K loop of length r over it and B into the same accumulators, so the
-epilogue sees the whole pre-activation; the fc2 input-gradient kernel adds `scale * (g @ B) @ A`
-the same way before the activation's backward. fc2 forward adds the adapter with grouped_mm (or
-plain matmuls for shared factors); the adapters' gradients are exact, from the [T, r] products,
-fc2's input (for fc2's A) and the gradients of h and of fc2's output.
+A LoRA adapter on either linear: the fc1 kernel runs a second, short K loop of length r over
+`scale * x @ A.T` [T, r] (computed outside) and B into the same accumulators, so the epilogue
+sees the whole pre-activation; the fc2 input-gradient kernel adds `scale * (g @ B) @ A` the same
+way before the activation's backward. The autograd Functions around these launchers, the
+adapters' own small GEMMs and gradients: fused_experts.py.
 
 Scheduling needs no host sync and is CUDA-graph capturable: the grid is an upper bound on the
 row tiles, cdiv(T, BLOCK_M) + E (each expert wastes at most one partial tile), times the column
@@ -33,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .activation_triton import _act_and_slope
-from .choice import KERNEL_ACTIVATIONS, TRITON_INTERPRETER
+from .choice import TRITON_INTERPRETER
 
 # DOT_FP32=TRITON_INTERPRETER: under triton's interpreter a bf16 tl.dot reads its operands' bits
 # wrongly, so the kernels feed it FP32 copies there (bf16 products are exact in FP32: the result
@@ -275,73 +273,6 @@ def _grid(rows: int, num_experts: int, tiles: Tiles, width: int):
     return (triton.cdiv(rows, tiles.block_m) + num_experts) * n_tiles, n_tiles
 
 
-class LoRATerm(NamedTuple):
-    """An expert linear's LoRA adapter as the fused path takes it: y += scale * (x @ a.T) @ b.T.
-
-    a [r, in] and b [out, r] (one adapter for every expert), or a [E, r, in] and b [E, out, r]
-    (one per expert), in the input's dtype (autograd sees the cast from the adapter's weights);
-    scale = alpha / r."""
-
-    a: torch.Tensor
-    b: torch.Tensor
-    scale: float
-
-    @property
-    def per_expert(self) -> bool:
-        return self.a.dim() == 3
-
-
-def check_lora(term: LoRATerm, name: str, num_experts: int, in_features: int,
-               out_features: int, dtype: torch.dtype) -> None:
-    """Refuse factors that do not fit the expert weights they adapt, naming the linear."""
-    lead = (num_experts,) if term.per_expert else ()
-    a_shape, b_shape = tuple(term.a.shape), tuple(term.b.shape)
-    rank = a_shape[-2] if term.a.dim() >= 2 else 0
-    if (term.a.dim() not in (2, 3) or a_shape != (*lead, rank, in_features)
-            or b_shape != (*lead, out_features, rank)):
-        raise ValueError(f"{name}: adapter factors A {list(a_shape)} and B {list(b_shape)} do not "
-                         f"fit {num_experts} experts of [{out_features}, {in_features}]; expected "
-                         f"A [{', '.join(map(str, (*lead, 'r', in_features)))}] and B "
-                         f"[{', '.join(map(str, (*lead, out_features, 'r')))}]")
-    if term.a.dtype != dtype or term.b.dtype != dtype:
-        raise TypeError(f"{name}: adapter factors in {term.a.dtype}/{term.b.dtype}, input in "
-                        f"{dtype}; cast them to the input's dtype")
-
-
-# Small GEMMs of the adapter term, outside the kernels: shared factors are plain matmuls over all
-# rows, per-expert ones grouped GEMMs over the same offsets (16-byte strides: r a multiple of 8).
-
-def _rows_times(x, w, offs, grouped_mm, transpose):
-    """x [T, k] times w [k', n'] (or w[e] for expert e's rows, w [E, k', n']), w transposed
-    first when `transpose` -> [T, n]."""
-    if w.dim() == 2:
-        return x @ (w.t() if transpose else w)
-    width = w.shape[1] if transpose else w.shape[2]
-    if x.shape[0] == 0:
-        return x.new_zeros(0, width)
-    return grouped_mm(x.contiguous(), w.transpose(1, 2) if transpose else w, offs=offs)
-
-
-def _factor_grad(left, right, offs, grouped_mm, num_experts: int, per_expert: bool):
-    """left [T, p], right [T, q] -> left.T @ right [p, q], or per expert [E, p, q] over the
-    experts' rows (zero for an expert without rows)."""
-    if not per_expert:
-        return left.t() @ right
-    if left.shape[0] == 0:
-        return left.new_zeros(num_experts, left.shape[1], right.shape[1])
-    return grouped_mm(left.t(), right.contiguous(), offs=offs)
-
-
-def lora_down(x, term: LoRATerm, offs, grouped_mm):
-    """scale * x @ A.T [T, r] (per expert: A[e] for expert e's rows), through autograd (the
-    adapter's A and x get their gradients from it)."""
-    if term.per_expert:
-        if x.shape[0] == 0:
-            return (x @ term.a[0].t()) * term.scale  # [0, r], still connected to A
-        return grouped_mm(x.contiguous(), term.a.transpose(1, 2), offs=offs) * term.scale
-    return torch.nn.functional.linear(x, term.a) * term.scale
-
-
 def fc1_activation(x, w1, offs, probs, act, glu, offset, clamp, save_h, xa=None, lb=None):
     """x [T, H], w1 [E, F or 2F, H], offs int32 [E], probs [T] -> (out [T, F], h [T, F or 2F]
     or None). out = act(h) [* (up + offset)] * probs in x's dtype, h = x @ w1[e].T, plus
@@ -395,127 +326,3 @@ def fc2_dgrad_activation(grad_out, w2, offs, probs, h, act, glu, offset, clamp, 
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         E_P2=_e_p2(num_experts), num_warps=tiles.warps, num_stages=tiles.stages)
     return dh, (partial.sum(0) if want_dprobs else None)
-
-
-class Fc1Activation(torch.autograd.Function):
-    """x [T, H] -> (act(h) [* (up + offset)] * probs [T, F], h [T, F or 2F]) with h = fc1(x),
-    frozen w1 [E, F or 2F, H], plus xa @ lb.T with an adapter (xa = lora_down(x), lb its B).
-    The first output carries no gradient back (Fc2AfterActivation hands the gradient of h
-    instead); backward is fc1's input gradient, d x = d h @ w1[e], and with an adapter
-    d xa = d h @ lb (x and A get the rest through lora_down's autograd) and d lb = d h.T @ xa
-    (per expert over its rows). Saves w1, the offsets and, with an adapter, lb (for d xa) and
-    xa [T, r] (for d lb), each only when that gradient is wanted."""
-
-    @staticmethod
-    def forward(ctx, x, probs, w1, offs, grouped_mm, act, glu, offset, clamp, xa, lb):
-        ctx.set_materialize_grads(False)
-        needs = ctx.needs_input_grad
-        ctx.save_for_backward(w1, offs, xa if lb is not None and needs[10] else None,
-                              lb if lb is not None and needs[9] else None)
-        ctx.per_expert = lb is not None and lb.dim() == 3
-        ctx.grouped_mm = grouped_mm
-        inter, h = fc1_activation(x.contiguous(), w1, offs, probs.contiguous(), act, glu, offset,
-                                  clamp, save_h=True, xa=xa, lb=lb)
-        ctx.mark_non_differentiable(inter)
-        return inter, h
-
-    @staticmethod
-    def backward(ctx, _grad_inter, grad_h):
-        w1, offs, xa, lb = ctx.saved_tensors
-        nothing = (None,) * 8
-        if grad_h is None:
-            return (None,) * 11
-        grad_h = grad_h.contiguous()
-        if grad_h.shape[0] == 0:
-            dx = grad_h.new_zeros(0, w1.shape[2])
-        else:
-            dx = ctx.grouped_mm(grad_h, w1, offs=offs) if ctx.needs_input_grad[0] else None
-        dxa = dlb = None
-        if lb is not None:  # saved only when xa needs its gradient
-            dxa = _rows_times(grad_h, lb, offs, ctx.grouped_mm, transpose=False)
-        if xa is not None:  # saved only when lb needs its gradient
-            dlb = _factor_grad(grad_h, xa, offs, ctx.grouped_mm, w1.shape[0], ctx.per_expert)
-        return (dx, *nothing, dxa, dlb)
-
-
-def fc2_forward(inter, w2, offs, grouped_mm, term=None):
-    """inter [T, F] -> (inter @ w2[e].T [T, H], xr): with an adapter, plus xr @ B.T where
-    xr = scale * inter @ A.T [T, r] (per expert: A[e], B[e]); xr None without one."""
-    if inter.shape[0] == 0:
-        out = inter.new_empty(0, w2.shape[1])
-    else:
-        out = grouped_mm(inter, w2.transpose(1, 2), offs=offs)
-    if term is None:
-        return out, None
-    xr = _rows_times(inter, term.a, offs, grouped_mm, transpose=True) * term.scale
-    return out + _rows_times(xr, term.b, offs, grouped_mm, transpose=True), xr
-
-
-class Fc2AfterActivation(torch.autograd.Function):
-    """(inter [T, F], h [T, F or 2F], probs [T]) -> inter @ w2[e].T [T, H], frozen w2 [E, H, F],
-    plus scale * (inter @ la.T) @ lb.T with an adapter (A la, B lb).
-
-    inter is Fc1Activation's act(h) * probs; backward skips it and returns the gradients of h and
-    probs straight from the fused fc2 input-gradient kernel, the adapter's share of fc2's input
-    gradient (gb @ la, gb = scale * grad @ lb) in its accumulator. The adapter's gradients:
-    d la = gb.T @ inter, d lb = grad.T @ xr (xr = scale * inter @ la.T), per expert over its rows.
-    Saves h, probs, w2 and the offsets, and with an adapter its factors, inter (for d la only)
-    and xr [T, r] (for d lb only); h is freed when this backward ends, before fc1's input
-    gradient runs."""
-
-    @staticmethod
-    def forward(ctx, inter, h, probs, w2, offs, grouped_mm, act, glu, offset, clamp, la, lb,
-                scale):
-        term = None if la is None else LoRATerm(la, lb, scale)
-        out, xr = fc2_forward(inter, w2, offs, grouped_mm, term)
-        needs = ctx.needs_input_grad
-        ctx.save_for_backward(h, probs, w2, offs, la, lb,
-                              inter if term is not None and needs[10] else None,
-                              xr if term is not None and needs[11] else None)
-        ctx.args = (act, glu, offset, clamp)
-        ctx.grouped_mm, ctx.scale = grouped_mm, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        h, probs, w2, offs, la, lb, inter, xr = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        gb = None
-        if la is not None:
-            gb = _rows_times(grad_out, lb, offs, ctx.grouped_mm, transpose=False) * ctx.scale
-        dh, dprobs = fc2_dgrad_activation(grad_out, w2, offs, probs.contiguous(), h,
-                                          *ctx.args, want_dprobs=ctx.needs_input_grad[2],
-                                          gb=gb, la=la)
-        if dprobs is not None:
-            dprobs = dprobs.to(probs.dtype)
-        dla = dlb = None
-        per_expert = la is not None and la.dim() == 3
-        if inter is not None:
-            dla = _factor_grad(gb, inter, offs, ctx.grouped_mm, w2.shape[0], per_expert)
-        if xr is not None:
-            dlb = _factor_grad(grad_out, xr, offs, ctx.grouped_mm, w2.shape[0], per_expert)
-        return None, dh, dprobs, None, None, None, None, None, None, None, dla, dlb, None
-
-
-def fused_experts(config, x, probs, w1, w2, offs, grouped_mm, fc1_lora=None, fc2_lora=None):
-    """TorchGroupedMLP's forward through the fused kernels: x [T, H], probs [T] -> [T, H].
-
-    fc1_lora / fc2_lora: the LoRATerm of an adapter on linear_fc1 / linear_fc2, or None."""
-    clamp = config.activation_func_clamp_value if config.gated_linear_unit else None
-    args = (KERNEL_ACTIVATIONS[config.activation_func], bool(config.gated_linear_unit),
-            float(config.glu_linear_offset), None if clamp is None else float(clamp))
-    adapter_tensors = [t for term in (fc1_lora, fc2_lora) if term is not None
-                       for t in (term.a, term.b)]
-    trains = any(t.requires_grad for t in (x, probs, *adapter_tensors))
-    if not (torch.is_grad_enabled() and trains):
-        with torch.no_grad():
-            xa = None if fc1_lora is None else lora_down(x, fc1_lora, offs, grouped_mm)
-            inter, _ = fc1_activation(x.contiguous(), w1, offs, probs.contiguous(), *args,
-                                      save_h=False, xa=xa,
-                                      lb=None if fc1_lora is None else fc1_lora.b)
-            return fc2_forward(inter, w2, offs, grouped_mm, fc2_lora)[0]
-    xa = None if fc1_lora is None else lora_down(x, fc1_lora, offs, grouped_mm)
-    inter, h = Fc1Activation.apply(x, probs, w1, offs, grouped_mm, *args, xa,
-                                   None if fc1_lora is None else fc1_lora.b)
-    la, lb, scale = (None, None, 1.0) if fc2_lora is None else fc2_lora
-    return Fc2AfterActivation.apply(inter, h, probs, w2, offs, grouped_mm, *args, la, lb, scale)
