@@ -77,7 +77,7 @@ import torch
 import cycle_models as cm
 import cycle_profile as cp
 from cycle_report import run_lines, write_results
-from harness import GIB, Stopwatch, error_note, gather_ranks, header, reset_peak
+from harness import GIB, REPO_ROOT, Stopwatch, error_note, gather_ranks, header, reset_peak
 from shapes import SLICES, ModelSlice
 
 CLIP = 0.2
@@ -503,7 +503,7 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[1:]))
-    parser.add_argument("--out-dir", type=Path, default=cm.REPO_ROOT / "runs" / "cycle")
+    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "runs" / "cycle")
     parser.add_argument("--slices", default="auto",
                         help="comma-separated MODEL:MoE-LAYERS[:CYCLES] (CYCLES overrides "
                              f"--cycles for that slice), MODEL from {', '.join(SLICES)}; auto: "

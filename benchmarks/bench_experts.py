@@ -48,7 +48,6 @@ from experts_impls import (
     OURS_GPU,
     OURS_GRAPH,
     RAW,
-    REPO_ROOT,
     SEQUENTIAL,
     TE,
     build_legacy,
@@ -71,7 +70,7 @@ from experts_impls import (
     rel_err,
 )
 from experts_report import plots, report_body, to_json
-from harness import Meter, guarded, header, write_report
+from harness import REPO_ROOT, Meter, guarded, header, write_report
 from shapes import ROUTINGS, SHAPES, SWEEP, TINY_SHAPES, make_splits
 
 TARGETS = "super-ep4"  # the targets are set at this shape, uniform routing

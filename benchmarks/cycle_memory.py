@@ -20,7 +20,7 @@ import torch
 
 import bench_cycle as bc
 import cycle_models as cm
-from harness import GIB, MIB, header, markdown_table, reset_peak, write_report
+from harness import GIB, MIB, REPO_ROOT, header, markdown_table, reset_peak, write_report
 from shapes import SLICES
 
 OWN_CODE = ("mcore_torch_experts/", "megatron/", "transformer_engine/", "benchmarks/")
@@ -144,7 +144,7 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[1:]))
-    parser.add_argument("--out-dir", type=Path, default=cm.REPO_ROOT / "runs" / "memory")
+    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "runs" / "memory")
     parser.add_argument("--slice", default="nemotron-3-super:1", help="MODEL:MoE-LAYERS")
     parser.add_argument("--arms", default="te,torch")
     parser.add_argument("--expert-adapters", default="shared", choices=cm.EXPERT_ADAPTERS)

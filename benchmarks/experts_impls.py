@@ -5,15 +5,12 @@ and `measure`, which makes one row of an implementation with the harness's Meter
 """
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 
 from harness import error_note, version
 from shapes import Shape
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 OURS_CPU = "TorchGroupedMLP (CPU splits)"
 OURS_GPU = "TorchGroupedMLP (GPU splits)"

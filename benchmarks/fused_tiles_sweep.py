@@ -13,11 +13,9 @@ from pathlib import Path
 
 import torch
 
-from harness import fmt, markdown_table, median_ms
+from harness import REPO_ROOT, fmt, markdown_table, median_ms
 from harness import header as bench_header
 from shapes import SHAPES, make_splits
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 CANDIDATES = {  # Tiles(block_m, block_n, block_k, warps, stages)
     "fc1": [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3),
