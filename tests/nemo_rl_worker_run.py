@@ -1,10 +1,13 @@
-"""Run by test_nemo_rl.py in its own process: NeMo-RL's own Megatron policy worker
-(`MegatronPolicyWorkerImpl.__init__`: handle_model_import -> import_model_from_hf_name,
+"""Run by test_nemo_rl.py in its own process, NeMo-RL (its folder, see scripts/legs.sh) first on
+PYTHONPATH: the worker extension's class, `TorchExpertsMegatronPolicyWorker` of
+examples/nemo_rl_worker.py, built as its Ray actor would build it, but in this process: its
+`__init__` (`enable_torch_experts`, then NeMo-RL's `MegatronPolicyWorkerImpl.__init__`:
+setup_distributed, validate_model_paths, handle_model_import -> import_model_from_hf_name,
 validate_and_set_config, setup_model_and_optimizer, setup_reference_model_state,
-finalize_megatron_setup; then its `get_logprobs` and `train` methods) with the worker extension's
-`enable_torch_experts` called first, as `TorchExpertsMegatronPolicyWorker.__init__` does, on a
-tiny local Qwen3-MoE HF checkpoint, on the CPU (the patches of examples/cpu_support.py:
-`megatron_patches`, `megatron_lm_patches`, `nemo_rl_patches`, inside `CudaTensorsOnTheCpu`).
+finalize_megatron_setup), then the worker's `get_logprobs` and one `train` step (NeMo-RL's
+NLLLossFn), on a tiny local Qwen3-MoE HF checkpoint, with NeMo-RL's Megatron GRPO recipe and the
+docs' YAML block, on the CPU (the patches of examples/cpu_support.py: `megatron_patches`,
+`megatron_lm_patches`, `nemo_rl_patches`, inside `CudaTensorsOnTheCpu`).
 
     python tests/nemo_rl_worker_run.py OUT_DIR RESULT_JSON PEFT(0|1)
 
@@ -34,14 +37,17 @@ BATCH = 2
 def cpu_policy_config(hf_path: Path, peft: bool) -> dict:
     """NeMo-RL's Megatron GRPO recipe's `policy`, for the tiny checkpoint on one CPU process: the
     docs' YAML block (with `peft.enabled` as asked) merged over it, plus the settings a CPU host
-    needs (FP32, local modules, the allgather dispatcher, no fused kernels, no overlap)."""
+    needs (FP32, local modules, the allgather dispatcher, no fused kernels, no overlap, no
+    asynchronous checkpoint saves) and a batch of two sequences of 16 tokens."""
+    import nemo_rl
     import yaml
+    from nemo_rl.utils.config import load_config, register_omegaconf_resolvers
     from omegaconf import OmegaConf
 
-    from nemo_rl.utils.config import load_config, register_omegaconf_resolvers
-
     register_omegaconf_resolvers()
-    configs = Path(os.environ["NEMO_RL_CONFIGS"])
+    # NeMo-RL's examples/configs, unpacked beside its package by scripts/legs.sh.
+    configs = Path(os.environ.get("NEMO_RL_CONFIGS",
+                                  Path(nemo_rl.__file__).parents[1] / "nemo_rl_configs"))
     policy = OmegaConf.to_container(load_config(str(configs / NEMO_RL_CONFIG)), resolve=True)[
         "policy"]
     ours = yaml.safe_load(snippet("nemo-rl-config"))["policy"]
@@ -59,7 +65,7 @@ def cpu_policy_config(hf_path: Path, peft: bool) -> dict:
                     moe_token_dispatcher_type="allgather", moe_permute_fusion=False,
                     apply_rope_fusion=False, bias_activation_fusion=False,
                     gradient_accumulation_fusion=False, train_iters=10)
-    megatron["checkpoint"]["async_save"] = False  # asynchronous saves need nvidia-resiliency-ext
+    megatron["checkpoint"]["async_save"] = False  # they need nvidia-resiliency-ext (CUDA)
     megatron["optimizer"].update(bf16=False, use_distributed_optimizer=False,
                                  use_precision_aware_optimizer=False, lr=1e-2, min_lr=1e-2)
     megatron["scheduler"].update(lr_warmup_iters=0, lr_warmup_init=1e-2)
@@ -117,9 +123,11 @@ def main(out: Path, result_path: Path, peft: bool) -> None:
     hf_path = out / "hf_tiny"
     example.make_tiny_checkpoint(hf_path, seed=4)
     make_tokenizer(hf_path)
+    # What NeMo-RL's worker group gives each worker's Ray actor (one worker here), and the
+    # converted checkpoint's cache.
     os.environ.update(NRL_MEGATRON_CHECKPOINT_DIR=str(out / "megatron_ckpts"), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(cpu_support._free_port()), NRL_DISABLE_NUMA_BINDING="1")
+                      MASTER_PORT=str(cpu_support._free_port()))
     config = cpu_policy_config(hf_path, peft)
     extension = load_extension()
     # The class the Ray actor would run: TorchExpertsMegatronPolicyWorker's own __init__
@@ -142,8 +150,10 @@ def main(out: Path, result_path: Path, peft: bool) -> None:
         while hasattr(model, "module"):
             model = model.module
         layers = model.decoder.layers
+        spec = worker.megatron_cfg.model.transformer_layer_spec
         result = {"experts": [type(layer.mlp.experts).__name__ for layer in layers],
-                  "peft": peft}
+                  "peft": peft, "worker_classes": [c.__name__ for c in type(worker).__mro__],
+                  "provider_spec": getattr(spec, "__name__", repr(spec))}
         tokens = torch.randint(0, example.TINY_QWEN3_MOE["vocab_size"], (BATCH, SEQ),
                                generator=torch.Generator().manual_seed(7))
         data = batch(tokens)

@@ -427,8 +427,8 @@ def nemo_rl_patches() -> list:
     `megatron_lm_patches()`, to run in this process on a CPU-only host, outside a Ray actor;
     tensors it asks for on CUDA come from `CudaTensorsOnTheCpu`. Nothing here touches this
     package or changes what a model computes."""
-    import nemo_rl.models.megatron.setup as nemo_rl_setup
     import megatron.bridge.training.initialize as bridge_initialize
+    import nemo_rl.models.megatron.setup as nemo_rl_setup
     import ray
     from megatron.bridge import AutoBridge
     from megatron.bridge.models import model_provider
