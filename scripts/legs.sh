@@ -41,12 +41,13 @@ BRIDGE_LIGHT_DEPS="transformers>=5.8,<=5.12.1 omegaconf>=2.3.0 pyyaml tqdm regex
 # unpacked there; its code imports on Python 3.12. Its dependencies include CUDA-only packages
 # (vllm, transformer-engine, nixl, ...), so it is installed without them; these are the ones its
 # Megatron worker's modules import when they are loaded (the experiment loggers
-# nemo_rl.utils.logger imports among them), with transformers in NeMo-RL's own bounds (its
-# nemo_rl.models.policy asserts < 5.12). They are resolved against the venv (torch and numpy stay
+# nemo_rl.utils.logger imports among them) and those Megatron-Bridge's checkpointing imports
+# (nvidia-modelopt, megatron-energon: no stand-ins for them there), with transformers in NeMo-RL's
+# own bounds (its nemo_rl.models.policy asserts < 5.12). They are resolved against the venv (torch and numpy stay
 # the venv's) and only what the venv lacks is installed there.
 NEMO_RL_ARCHIVE=nemo-rl-7ea279ab.tar.gz
 NEMO_RL_DIR=nemo-rl
-NEMO_RL_LIGHT_DEPS="transformers>=5.8,<5.9 ray pydantic pyzmq nvidia-ml-py fastapi uvicorn hydra-core prometheus_client pillow requests rich datasets wandb mlflow-skinny swanlab tensorboard tensordict"
+NEMO_RL_LIGHT_DEPS="transformers>=5.8,<5.9 ray pydantic pyzmq nvidia-ml-py fastapi uvicorn hydra-core prometheus_client pillow requests rich datasets wandb mlflow-skinny swanlab tensorboard tensordict nvidia-modelopt megatron-energon"
 AUTOMODEL_VERSION=0.7.0
 # NeMo Automodel is installed without its dependencies as well (they include CUDA-only packages):
 # its MoE experts module imports torch, triton and packaging, and its BackendConfig transformers

@@ -36,9 +36,9 @@ BATCH = 2
 
 def cpu_policy_config(hf_path: Path, peft: bool) -> dict:
     """NeMo-RL's Megatron GRPO recipe's `policy`, for the tiny checkpoint on one CPU process: the
-    docs' YAML block (with `peft.enabled` as asked) merged over it, plus the settings a CPU host
-    needs (FP32, local modules, the allgather dispatcher, no fused kernels, no overlap, no
-    asynchronous checkpoint saves) and a batch of two sequences of 16 tokens."""
+    docs' YAML block (with `peft.enabled` as asked) merged over it, the settings a CPU host needs
+    (FP32, local modules, no fused kernels, no overlap, no asynchronous checkpoint saves) and a
+    batch of two sequences of 16 tokens."""
     import nemo_rl
     import yaml
     from nemo_rl.utils.config import load_config, register_omegaconf_resolvers
@@ -61,8 +61,7 @@ def cpu_policy_config(hf_path: Path, peft: bool) -> dict:
     policy["tokenizer"]["name"] = str(hf_path)
     policy["sequence_packing"]["enabled"] = False
     policy["dynamic_batching"]["enabled"] = False
-    megatron.update(transformer_impl="local", pipeline_dtype="float32",
-                    moe_token_dispatcher_type="allgather", moe_permute_fusion=False,
+    megatron.update(transformer_impl="local", pipeline_dtype="float32", moe_permute_fusion=False,
                     apply_rope_fusion=False, bias_activation_fusion=False,
                     gradient_accumulation_fusion=False, train_iters=10)
     megatron["checkpoint"]["async_save"] = False  # they need nvidia-resiliency-ext (CUDA)
@@ -114,6 +113,11 @@ def hf_logprobs(path: Path, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def main(out: Path, result_path: Path, peft: bool) -> None:
+    import importlib.util
+
+    # Packages import_megatron_bridge_checkpointing would stand in for where they are missing.
+    missing = [name for name in ("datasets", "modelopt", "megatron.energon", "tensorboard")
+               if importlib.util.find_spec(name) is None]
     cpu_support.import_megatron_bridge()
     cpu_support.import_megatron_bridge_checkpointing()
     from nemo_rl.algorithms.loss.loss_functions import NLLLossFn
@@ -138,7 +142,7 @@ def main(out: Path, result_path: Path, peft: bool) -> None:
     handler.emit = lambda record: records.append(record.getMessage())
     logging.getLogger("mcore_torch_experts").addHandler(handler)
 
-    cpu_support.apply(cpu_support.megatron_patches(on_cpu=True))
+    cpu_support.apply(cpu_support.megatron_patches(on_cpu=True, host_streams=True))
     cpu_support.apply(cpu_support.megatron_lm_patches())
     cpu_support.apply(cpu_support.nemo_rl_patches())
     with cpu_support.CudaTensorsOnTheCpu():
@@ -152,7 +156,8 @@ def main(out: Path, result_path: Path, peft: bool) -> None:
         layers = model.decoder.layers
         spec = worker.megatron_cfg.model.transformer_layer_spec
         result = {"experts": [type(layer.mlp.experts).__name__ for layer in layers],
-                  "peft": peft, "worker_classes": [c.__name__ for c in type(worker).__mro__],
+                  "dispatchers": [type(layer.mlp.token_dispatcher).__name__ for layer in layers],
+                  "peft": peft, "stood_in": missing, "worker_classes": [c.__name__ for c in type(worker).__mro__],
                   "provider_spec": getattr(spec, "__name__", repr(spec))}
         tokens = torch.randint(0, example.TINY_QWEN3_MOE["vocab_size"], (BATCH, SEQ),
                                generator=torch.Generator().manual_seed(7))

@@ -58,10 +58,13 @@ def expert_weight(name: str) -> bool:
 
 
 def test_nemo_rl_worker_builds_torch_experts_through_its_hf_import(nemo_rl_run):
+    assert nemo_rl_run["stood_in"] == []  # Bridge's checkpointing imports the real packages
     classes = nemo_rl_run["worker_classes"]  # the extension's class, as Ray runs it
     assert classes[1:3] == ["TorchExpertsMegatronPolicyWorker", "MegatronPolicyWorkerImpl"]
     assert nemo_rl_run["provider_spec"] == "torch_experts_gpt_spec"  # rebuilt from run_config
     assert nemo_rl_run["experts"] == ["TorchGroupedMLP", "TorchGroupedMLP"]
+    # The recipe's dispatcher (moe_token_dispatcher_type: alltoall).
+    assert nemo_rl_run["dispatchers"] == ["MoEAlltoAllTokenDispatcher"] * 2
     counts = [re.search(r"(\d+) expert weights .*, (\d+) of them frozen", line)
               for line in nemo_rl_run["log"]]
     counts = [match.groups() for match in counts if match]

@@ -424,9 +424,10 @@ def import_megatron_bridge_checkpointing():
 def nemo_rl_patches() -> list:
     """[Patch]: what NeMo-RL's Megatron policy worker (`MegatronPolicyWorkerImpl.__init__`, its
     `get_logprobs` and `train`) needs, beyond `megatron_patches(on_cpu=True)` and
-    `megatron_lm_patches()`, to run in this process on a CPU-only host, outside a Ray actor;
-    tensors it asks for on CUDA come from `CudaTensorsOnTheCpu`. Nothing here touches this
-    package or changes what a model computes."""
+    `megatron_lm_patches()` (apply it after them: its `current_device` answers through theirs),
+    to run in this process on a CPU-only host, outside a Ray actor; tensors it asks for on CUDA
+    come from `CudaTensorsOnTheCpu`. Nothing here touches this package or changes what a model
+    computes."""
     import megatron.bridge.training.initialize as bridge_initialize
     import nemo_rl.models.megatron.setup as nemo_rl_setup
     import ray
@@ -437,7 +438,7 @@ def nemo_rl_patches() -> list:
     init_process_group = torch.distributed.init_process_group
     to_megatron_provider = AutoBridge.to_megatron_provider
 
-    def provider_without_te_fusions(bridge, *args, **kwargs):
+    def provider_in_cpu_form(bridge, *args, **kwargs):
         provider = to_megatron_provider(bridge, *args, **kwargs)
         provider.transformer_impl = "local"
         provider.moe_permute_fusion = False
@@ -462,7 +463,7 @@ def nemo_rl_patches() -> list:
         Patch(ray, "get_gpu_ids", lambda: [0],
               "the worker runs in this process, not in a Ray actor given a GPU: the id Ray "
               "would give it"),
-        Patch(AutoBridge, "to_megatron_provider", provider_without_te_fusions,
+        Patch(AutoBridge, "to_megatron_provider", provider_in_cpu_form,
               "Bridge's providers build Transformer Engine modules and (Qwen3-MoE's among "
               "them) turn on TE's fused permutation, which a CPU host has not; NeMo-RL's HF "
               "import takes only the parallelism from megatron_cfg, so its `transformer_impl: "
