@@ -211,7 +211,9 @@ setup_nemo_rl() {  # venv folder -> NeMo-RL's source, its recipes and the packag
     --wildcards '*/examples/configs' || return 1
   report=$(mktemp)
   # shellcheck disable=SC2086
-  "$venv/bin/python" -m pip install -q --dry-run --report "$report" $NEMO_RL_LIGHT_DEPS || return 1
+  # torch pinned to the venv's: none of them may bring another.
+  "$venv/bin/python" -m pip install -q --dry-run --report "$report" "torch==$TORCH_VERSION" \
+    $NEMO_RL_LIGHT_DEPS || return 1
   pins=$("$venv/bin/python" -c "import json, sys; print(' '.join(p['metadata']['name'] + '==' + p['metadata']['version'] for p in json.load(open(sys.argv[1]))['install']))" "$report")
   rm -f "$report"
   # shellcheck disable=SC2086

@@ -170,6 +170,11 @@ def main(out: Path, result_path: Path, peft: bool) -> None:
         metrics = worker.train(data, NLLLossFn())
         after = dict(model.named_parameters())
         result["loss"] = float(torch.as_tensor(metrics["global_loss"]).float().mean())
+        # The reference model (NeMo-RL's state dict of the model as loaded, swapped in) after the
+        # step: the checkpoint's logprobs still.
+        reference = worker.get_reference_policy_logprobs(data=data)["reference_logprobs"]
+        result["reference_logprobs_max_abs"] = (
+            reference.double() - hf_logprobs(hf_path, tokens)).abs()[:, 1:].max().item()
         result["changed"] = sorted(n for n in before if not torch.equal(before[n],
                                                                          after[n].detach()))
         result["all_names"] = sorted(before)

@@ -75,6 +75,10 @@ def test_nemo_rl_get_logprobs_gives_the_hf_models_logprobs(nemo_rl_run):
     assert nemo_rl_run["logprobs_max_abs"] < 1e-4
 
 
+def test_nemo_rl_reference_model_gives_the_hf_models_logprobs_after_the_step(nemo_rl_run):
+    assert nemo_rl_run["reference_logprobs_max_abs"] < 1e-4
+
+
 def test_nemo_rl_train_step_trains_what_the_docs_say(nemo_rl_run):
     names, changed = set(nemo_rl_run["all_names"]), set(nemo_rl_run["changed"])
     trainable = set(nemo_rl_run["trainable"])
