@@ -6,8 +6,8 @@ setup_distributed, validate_model_paths, handle_model_import -> import_model_fro
 validate_and_set_config, setup_model_and_optimizer, setup_reference_model_state,
 finalize_megatron_setup), then the worker's `get_logprobs` and one `train` step (NeMo-RL's
 NLLLossFn), on a tiny local Qwen3-MoE HF checkpoint, with NeMo-RL's Megatron GRPO recipe and the
-docs' YAML block, on the CPU (the patches of examples/cpu_support.py: `megatron_patches`,
-`megatron_lm_patches`, `nemo_rl_patches`, inside `CudaTensorsOnTheCpu`).
+docs' YAML block, on the CPU (the patches of mcore_torch_experts.testing.cpu_support:
+`megatron_patches`, `megatron_lm_patches`, `nemo_rl_patches`, inside `CudaTensorsOnTheCpu`).
 
     python tests/nemo_rl_worker_run.py OUT_DIR RESULT_JSON PEFT(0|1)
 
@@ -23,11 +23,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-sys.path.insert(0, str(Path(__file__).parent))
-import cpu_support  # noqa: E402
-import hf_roundtrip as example  # noqa: E402
-from doc_snippets import snippet  # noqa: E402
+import hf_roundtrip as example
+from doc_snippets import snippet
+from mcore_torch_experts.testing import cpu_support
 
 NEMO_RL_CONFIG = "grpo_math_1B_megatron.yaml"  # NeMo-RL's Megatron GRPO recipe
 SEQ = 16

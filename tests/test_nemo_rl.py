@@ -47,8 +47,9 @@ def nemo_rl_folder() -> Path:
 @pytest.fixture(scope="module", params=[True, False], ids=["peft", "full"])
 def nemo_rl_run(request, tmp_path_factory):
     folder = nemo_rl_folder()
+    examples = Path(__file__).parents[1] / "examples"  # hf_roundtrip's tiny checkpoint
     return run_worker(WORKER, tmp_path_factory.mktemp("nemo_rl"), hide_gpus=True,
-                      args=["1" if request.param else "0"], pythonpath=[folder])
+                      args=["1" if request.param else "0"], pythonpath=[folder, examples])
 
 
 def expert_weight(name: str) -> bool:
