@@ -43,8 +43,8 @@ BRIDGE_LIGHT_DEPS="transformers>=5.8,<=5.12.1 omegaconf>=2.3.0 pyyaml tqdm regex
 # Megatron worker's modules import when they are loaded (the experiment loggers
 # nemo_rl.utils.logger imports among them) and those Megatron-Bridge's checkpointing imports
 # (nvidia-modelopt, megatron-energon: no stand-ins for them there), with transformers in NeMo-RL's
-# own bounds (its nemo_rl.models.policy asserts < 5.12). They are resolved against the venv (torch and numpy stay
-# the venv's) and only what the venv lacks is installed there.
+# own bounds (its nemo_rl.models.policy asserts < 5.12). They are resolved against the venv (torch
+# stays the venv's) and what the venv lacks, or has in another version, goes into the folder.
 NEMO_RL_ARCHIVE=nemo-rl-7ea279ab.tar.gz
 NEMO_RL_DIR=nemo-rl
 NEMO_RL_LIGHT_DEPS="transformers>=5.8,<5.9 ray pydantic pyzmq nvidia-ml-py fastapi uvicorn hydra-core prometheus_client pillow requests rich datasets wandb mlflow-skinny swanlab tensorboard tensordict nvidia-modelopt megatron-energon"
@@ -210,8 +210,8 @@ setup_nemo_rl() {  # venv folder -> NeMo-RL's source, its recipes and the packag
   tar -xzf "$STACK_DIR/$NEMO_RL_ARCHIVE" -C "$folder/nemo_rl_configs" --strip-components=3 \
     --wildcards '*/examples/configs' || return 1
   report=$(mktemp)
-  # shellcheck disable=SC2086
   # torch pinned to the venv's: none of them may bring another.
+  # shellcheck disable=SC2086
   "$venv/bin/python" -m pip install -q --dry-run --report "$report" "torch==$TORCH_VERSION" \
     $NEMO_RL_LIGHT_DEPS || return 1
   pins=$("$venv/bin/python" -c "import json, sys; print(' '.join(p['metadata']['name'] + '==' + p['metadata']['version'] for p in json.load(open(sys.argv[1]))['install']))" "$report")
