@@ -11,8 +11,9 @@ rebuilds the provider (`load_model_config` -> `instantiate`) for the policy and 
 model; `instantiate` admits the package's functions once its prefix is registered, which this
 worker does in its own process before anything is loaded.
 
-Needs NeMo-RL and Ray; tests/test_launchers.py runs `enable_torch_experts` and the calls NeMo-RL
-then makes with its result, not this class (NeMo-RL cannot be installed on the test host).
+Needs NeMo-RL and Ray. tests/test_nemo_rl.py runs this class's `__init__` (NeMo-RL main's whole
+worker setup), `get_logprobs` and a `train` step on the CPU, in the test's process rather than in
+a Ray actor; see docs/enable.md, "NeMo-RL".
 """
 
 import ray

@@ -9,7 +9,8 @@
 #                                nemo-automodel 0.7.0
 #   0.20.0   3.12    .venv312   .venv312/legs/mcore-0.20.0, with megatron-bridge 0.7.0: the stack
 #                                NeMo-RL's main pins by commit (Megatron-LM 14346b65, Megatron-Bridge
-#                                8c46dc42), built from their source archives (STACK_DIR below)
+#                                8c46dc42), built from their source archives (STACK_DIR below), and
+#                                NeMo-RL itself (7ea279ab) with the packages its policy worker imports
 #
 # torch is 2.13.0 in both venvs. For Python 3.11 pip takes the CPU build from this machine's disk;
 # for Python 3.12 it is PyPI's CUDA build (about 5 GB, runs on the CPU), installed once and reused.
@@ -31,6 +32,22 @@ BRIDGE_070_ARCHIVE=megatron-bridge-0.7.0-8c46dc42.tar.gz
 # are the light ones its PEFT and conversion modules import, plus peft (and its accelerate) to run
 # Bridge's Hugging Face PEFT adapter exports (tests/test_hf_bridge_lora.py).
 BRIDGE_LIGHT_DEPS="transformers>=5.8,<=5.12.1 omegaconf>=2.3.0 pyyaml tqdm regex six rich peft==0.21.2 accelerate==1.15.0"
+# NeMo-RL main (7ea279ab), from its source archive beside the Megatron ones, for tests/test_nemo_rl.py
+# (its own Megatron policy worker on the CPU), in a folder of its own inside the leg's
+# (NEMO_RL_DIR), which only that test's worker process puts on its path: the leg's other tests keep
+# the leg's packages. NeMo-RL's pyproject declares Python >=3.13.14 and lists only the top-level
+# package (`packages = ["nemo_rl"]`: a wheel built from it holds 7 files; uv installs it editable),
+# so its source tree `nemo_rl/` and its recipes `examples/configs/` (as `nemo_rl_configs/`) are
+# unpacked there; its code imports on Python 3.12. Its dependencies include CUDA-only packages
+# (vllm, transformer-engine, nixl, ...), so it is installed without them; these are the ones its
+# Megatron worker's modules import when they are loaded (the experiment loggers
+# nemo_rl.utils.logger imports among them) and those Megatron-Bridge's checkpointing imports
+# (nvidia-modelopt, megatron-energon: no stand-ins for them there), with transformers in NeMo-RL's
+# own bounds (its nemo_rl.models.policy asserts < 5.12). They are resolved against the venv (torch
+# stays the venv's) and what the venv lacks, or has in another version, goes into the folder.
+NEMO_RL_ARCHIVE=nemo-rl-7ea279ab.tar.gz
+NEMO_RL_DIR=nemo-rl
+NEMO_RL_LIGHT_DEPS="transformers>=5.8,<5.9 ray pydantic pyzmq nvidia-ml-py fastapi uvicorn hydra-core prometheus_client pillow requests rich datasets wandb mlflow-skinny swanlab tensorboard tensordict nvidia-modelopt megatron-energon"
 AUTOMODEL_VERSION=0.7.0
 # NeMo Automodel is installed without its dependencies as well (they include CUDA-only packages):
 # its MoE experts module imports torch, triton and packaging, and its BackendConfig transformers
@@ -167,12 +184,41 @@ setup_leg() {  # leg -> makes its environment; returns 2 when its interpreter is
     touch "$target/.complete"
   fi
   # Its own step, so that a leg folder made before it was added gets it too.
+  if [ "$leg" = 0.20.0 ] && [ ! -f "$target/$NEMO_RL_DIR/.complete" ]; then
+    setup_nemo_rl "$venv" "$target/$NEMO_RL_DIR" || return 1
+  fi
   if [ "$leg" = 0.19.2 ] && [ ! -d "$target/nemo_automodel" ]; then
     echo "[setup $leg] installing nemo-automodel==$AUTOMODEL_VERSION (no dependencies) into $target and its light dependencies into $venv"
     "$venv/bin/python" -m pip install -q --no-deps --target "$target" "nemo-automodel==$AUTOMODEL_VERSION"
     # shellcheck disable=SC2086
     "$venv/bin/python" -m pip install -q $AUTOMODEL_LIGHT_DEPS
   fi
+}
+
+setup_nemo_rl() {  # venv folder -> NeMo-RL's source, its recipes and the packages its Megatron
+  # worker imports, into folder
+  local venv=$1 folder=$2 report pins
+  if [ ! -f "$STACK_DIR/$NEMO_RL_ARCHIVE" ]; then
+    echo "[setup 0.20.0] $STACK_DIR/$NEMO_RL_ARCHIVE not found: tests/test_nemo_rl.py will skip"
+    return 0
+  fi
+  echo "[setup 0.20.0] unpacking NeMo-RL ($NEMO_RL_ARCHIVE) and installing the packages its Megatron worker imports into $folder"
+  rm -rf "$folder"
+  mkdir -p "$folder/nemo_rl_configs"
+  tar -xzf "$STACK_DIR/$NEMO_RL_ARCHIVE" -C "$folder" --strip-components=1 --wildcards '*/nemo_rl' \
+    || return 1
+  tar -xzf "$STACK_DIR/$NEMO_RL_ARCHIVE" -C "$folder/nemo_rl_configs" --strip-components=3 \
+    --wildcards '*/examples/configs' || return 1
+  report=$(mktemp)
+  # torch pinned to the venv's: none of them may bring another.
+  # shellcheck disable=SC2086
+  "$venv/bin/python" -m pip install -q --dry-run --report "$report" "torch==$TORCH_VERSION" \
+    $NEMO_RL_LIGHT_DEPS || return 1
+  pins=$("$venv/bin/python" -c "import json, sys; print(' '.join(p['metadata']['name'] + '==' + p['metadata']['version'] for p in json.load(open(sys.argv[1]))['install']))" "$report")
+  rm -f "$report"
+  # shellcheck disable=SC2086
+  [ -z "$pins" ] || "$venv/bin/python" -m pip install -q --no-deps --target "$folder" $pins || return 1
+  touch "$folder/.complete"
 }
 
 leg_run() {  # leg command... -> runs the command with the leg's python first on the command line

@@ -26,17 +26,19 @@ def import_bridge_peft() -> None:
     import_megatron_bridge()
 
 
-def run_worker(worker: Path, out: Path, hide_gpus: bool = False) -> dict:
+def run_worker(worker: Path, out: Path, hide_gpus: bool = False, args=(),
+               pythonpath=()) -> dict:
     """Run a Bridge test worker in its own process (the stand-in never reaches this one): `worker
-    OUT RESULT_JSON`, with the repository on PYTHONPATH and a port of its own; its JSON result.
-    `hide_gpus`: the worker sees no GPU (a CPU host even on a CUDA host: gloo, its model on the
-    CPU)."""
+    OUT RESULT_JSON [ARGS...]`, with the repository (and the folders of `pythonpath`, first) on
+    PYTHONPATH and a port of its own; its JSON result. `hide_gpus`: the worker sees no GPU (a CPU
+    host even on a CUDA host: gloo, its model on the CPU)."""
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     if hide_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    env["PYTHONPATH"] = os.pathsep.join([str(worker.parents[1]), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), str(worker.parents[1]),
+                                         env.get("PYTHONPATH", "")])
     run = subprocess.run([sys.executable, "-W", "ignore", str(worker), str(out),
-                          str(out / "result.json")], env=env, capture_output=True, text=True,
-                         timeout=600)
+                          str(out / "result.json"), *args], env=env, capture_output=True,
+                         text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return json.loads((out / "result.json").read_text())

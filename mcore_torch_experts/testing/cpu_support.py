@@ -319,8 +319,10 @@ def megatron_lm_patches() -> list:
               "Megatron-LM sets up its parallel groups only when it counts a device"),
         Patch(torch.cuda, "get_device_capability", lambda *args, **kwargs: (9, 0),
               "argument validation asserts compute capability 8+ for --moe-grouped-gemm"),
-        Patch(torch.cuda, "set_device", no_op, host),
-        Patch(torch.cuda, "synchronize", no_op, host),
+        # One function per torch name: torch.compile's map of torch's functions refuses one
+        # object under two names.
+        Patch(torch.cuda, "set_device", lambda *args, **kwargs: None, host),
+        Patch(torch.cuda, "synchronize", lambda *args, **kwargs: None, host),
         Patch(torch.cuda, "get_rng_state", lambda *args, **kwargs: torch.get_rng_state(),
               "the rerun state machine saves the CUDA generator; the CPU one stands for it"),
         Patch(torch.cuda, "set_rng_state", no_op, "as `get_rng_state`"),
@@ -417,3 +419,77 @@ def import_megatron_bridge_checkpointing():
         for name in stand_ins:
             sys.modules.pop(name, None)
     return [sys.modules[name] for name in BRIDGE_CHECKPOINTING]
+
+
+def nemo_rl_patches() -> list:
+    """[Patch]: what NeMo-RL's Megatron policy worker (`MegatronPolicyWorkerImpl.__init__`, its
+    `get_logprobs` and `train`) needs, beyond `megatron_patches(on_cpu=True)` and
+    `megatron_lm_patches()` (apply it after them: its `current_device` answers through theirs),
+    to run in this process on a CPU-only host, outside a Ray actor; tensors it asks for on CUDA
+    come from `CudaTensorsOnTheCpu`. Nothing here touches this package or changes what a model
+    computes."""
+    import megatron.bridge.training.initialize as bridge_initialize
+    import nemo_rl.models.megatron.setup as nemo_rl_setup
+    import ray
+    from megatron.bridge import AutoBridge
+    from megatron.bridge.models import model_provider
+    from megatron.core.tensor_parallel import random
+
+    init_process_group = torch.distributed.init_process_group
+    to_megatron_provider = AutoBridge.to_megatron_provider
+
+    def provider_in_cpu_form(bridge, *args, **kwargs):
+        provider = to_megatron_provider(bridge, *args, **kwargs)
+        provider.transformer_impl = "local"
+        provider.moe_permute_fusion = False
+        return provider
+
+    get_model = model_provider.get_model
+
+    def get_model_on_the_cpu(*args, **kwargs):
+        return get_model(*args, **{**kwargs, "use_cpu_initialization": True})
+
+    current_device = torch.cuda.current_device
+
+    def gloo_process_group(backend=None, *args, **kwargs):
+        return init_process_group("gloo" if backend in (None, "nccl") else backend, *args,
+                                  **kwargs)
+
+    def nemo_rl_current_device():
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        return 0 if caller.startswith("nemo_rl.") else current_device()
+
+    return [
+        Patch(ray, "get_gpu_ids", lambda: [0],
+              "the worker runs in this process, not in a Ray actor given a GPU: the id Ray "
+              "would give it"),
+        Patch(AutoBridge, "to_megatron_provider", provider_in_cpu_form,
+              "Bridge's providers build Transformer Engine modules and (Qwen3-MoE's among "
+              "them) turn on TE's fused permutation, which a CPU host has not; NeMo-RL's HF "
+              "import takes only the parallelism from megatron_cfg, so its `transformer_impl: "
+              "local` and `moe_permute_fusion: false` reach the rebuilt provider but not this "
+              "one: it gets them here"),
+        *(Patch(module, "get_model", get_model_on_the_cpu,
+                "Bridge's get_model sets the provider's `use_cpu_initialization` from its "
+                "argument, which neither Bridge's provide_distributed_model (NeMo-RL's HF "
+                "import) nor NeMo-RL's model setup passes: on a CPU host the weights are made "
+                "on the CPU (Megatron's flag for it, which also admits FP32 weights)")
+          for module in (model_provider, nemo_rl_setup)),
+        Patch(bridge_initialize, "compile_helpers", lambda: None,
+              "as megatron_lm_patches' `compile_helpers`, for Bridge's initialize_megatron, which "
+              "imports it by name"),
+        Patch(bridge_initialize, "_warmup_jit_function", lambda *args, **kwargs: None,
+              "as megatron_lm_patches' `_warmup_jit_function`, for Bridge's copy of it"),
+        Patch(random.CudaRNGStatesTracker, "fork",
+              lambda *args, **kwargs: contextlib.nullcontext(),
+              "as megatron_patches' `fork`, on every tracker: NeMo-RL's HF import drops "
+              "Megatron's RNG tracker and Bridge's initialize_megatron makes a new one, with no "
+              "CUDA states (their seeding is a no-op here)"),
+        Patch(torch.cuda, "get_device_name", lambda *args, **kwargs: "cpu",
+              "train's metrics record the GPU's name"),
+        Patch(torch.distributed, "init_process_group", gloo_process_group,
+              "setup_distributed asks for NCCL; a CPU host has gloo"),
+        Patch(torch.cuda, "current_device", nemo_rl_current_device,
+              "the worker asserts that the device it set is current: NeMo-RL is answered the "
+              "device it set (0), everyone else as before"),
+    ]
