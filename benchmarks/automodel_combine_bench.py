@@ -358,7 +358,7 @@ def main():
     if device.type == "cpu":
         rerun_with_cpu_env()
     unit = "MiB" if args.tiny else "GiB"
-    automodel = package_module("automodel")
+    automodel = package_module("integrations.automodel")
     triton_note = triton_status(device)
     installs = variants(automodel, args.chunk_rows, triton_note)
     meter = Meter(device, warmup=1, reps=args.iters)
