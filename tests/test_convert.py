@@ -8,7 +8,6 @@ import weakref
 
 import pytest
 import torch
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -20,42 +19,24 @@ from mcore_torch_experts.convert import ConversionSummary, convert_experts_to_to
 from mcore_torch_experts.lora import apply_lora, lora_parameters
 from reference import rel_err
 from tiny_gpt import (
+    BYTES_PER_LAYER,
+    EXPERTS,
     HIDDEN,
     MOE_FFN,
-    MOE_LAYERS,
     NUM_EXPERTS,
     forward_backward,
     freeze_experts,
     gpt,
     sequential_to_grouped,
+    sharded_layout,
     tiny_config,
 )
-
-EXPERTS = [f"decoder.layers.{layer}.mlp.experts" for layer in MOE_LAYERS]
-# fc1 [2F, H] (SwiGLU) and fc2 [H, F] per expert, bf16.
-BYTES_PER_LAYER = NUM_EXPERTS * (2 * MOE_FFN * HIDDEN + HIDDEN * MOE_FFN) * 2
 
 
 def sequential_mlp_model(**overrides):
     """What a provider builds with Megatron's local spec and moe_grouped_gemm=False."""
     config = tiny_config(moe_grouped_gemm=False, **overrides)
     return gpt(config, gpt_layer_specs.get_gpt_decoder_block_spec(config, False))
-
-
-def sharded_layout(model):
-    """{global key: sorted [(kind, global shape, global offset)]} of the sharded state dict."""
-    sharded = model.sharded_state_dict()
-    apply_factories(sharded)
-    layout = {}
-    for value in sharded.values():
-        for item in value if isinstance(value, list) else [value]:  # GLU: [gate half, up half]
-            if isinstance(item, ShardedTensor):
-                entry = ("tensor", item.global_shape, item.global_offset)
-            else:
-                assert isinstance(item, ShardedObject), type(item)
-                entry = ("object", item.global_shape, item.global_offset)
-            layout.setdefault(item.key, []).append(entry)
-    return {key: sorted(entries) for key, entries in layout.items()}
 
 
 def test_conversion_keeps_outputs_weights_and_sharded_keys(megatron_cpu):

@@ -12,8 +12,8 @@ from megatron.core.models.gpt import gpt_layer_specs
 
 from doc_snippets import PUBLISHED, README_MD, code_blocks, run_snippet, snippet, snippets
 from mcore_torch_experts import TorchGroupedMLP, apply_lora, build_gpt_model
+from spec_support import experts_class, mlp_kinds, plain_config
 from te_support import needs_te
-from test_specs import experts_class, mlp_kinds, plain_config
 from tiny_gpt import fp32_moe_config, gpt, tiny_config
 
 TESTS = Path(__file__).parent

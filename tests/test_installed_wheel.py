@@ -40,7 +40,7 @@ import mcore_torch_experts
 from doc_snippets import PUBLISHED, snippets
 from mcore_torch_experts import specs
 from megatron_lm_worker import documented_flags
-from test_launchers import LAUNCHER_ENTRY_POINTS
+from spec_support import LAUNCHER_ENTRY_POINTS
 
 TESTS = Path(__file__).parent
 REPO = TESTS.parent

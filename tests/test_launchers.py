@@ -17,7 +17,7 @@ import pytest
 import torch
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.moe.experts import SequentialMLP
-from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -29,9 +29,16 @@ from mcore_torch_experts import (
     _compat,
     specs,
 )
-from mcore_torch_experts.moe_layer import FP32CombineMoELayer
 from reference import rel_err
-from test_specs import GRAD_TOL, LOGITS_TOL, experts_class, mlp_kinds, plain_config, spec_structure
+from spec_support import (
+    GRAD_TOL,
+    LAUNCHER_ENTRY_POINTS,
+    LOGITS_TOL,
+    experts_class,
+    mlp_kinds,
+    plain_config,
+    spec_structure,
+)
 from tiny_gpt import (
     assert_experts_built_frozen,
     forward_backward,
@@ -106,14 +113,6 @@ CONFIG_REFUSALS = {
 ENTRY_POINTS = {"gpt": specs.torch_experts_gpt_spec,
                 "hybrid": specs.torch_experts_hybrid_stack_spec}
 # Every launcher entry point: (experts, MoE layer) it builds from a config without our fields.
-LAUNCHER_ENTRY_POINTS = {
-    "torch_experts_gpt_spec": ("torch", MoELayer),
-    "torch_experts_fp32_combine_gpt_spec": ("torch", FP32CombineMoELayer),
-    "fp32_combine_gpt_spec": ("megatron", FP32CombineMoELayer),
-    "torch_experts_hybrid_stack_spec": ("torch", MoELayer),
-    "torch_experts_fp32_combine_hybrid_stack_spec": ("torch", FP32CombineMoELayer),
-    "fp32_combine_hybrid_stack_spec": ("megatron", FP32CombineMoELayer),
-}
 
 
 @pytest.mark.parametrize("field", list(CONFIG_REFUSALS))

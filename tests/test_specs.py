@@ -17,10 +17,17 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mcore_torch_experts import TorchExpertsConfigError, TorchGroupedMLP, _compat, specs
 from reference import rel_err
+from spec_support import (
+    GRAD_TOL,
+    LOGITS_TOL,
+    experts_class,
+    mlp_kinds,
+    plain_config,
+    spec_structure,
+)
 from tiny_gpt import (
     MOE_LAYER_FREQ,
     MOE_LAYERS,
@@ -31,36 +38,6 @@ from tiny_gpt import (
     sequential_to_grouped,
     tiny_config,
 )
-
-# Same weights, same math: only the expert GEMM kernels differ (equal on the CPU). Tight enough
-# to notice one expert of one layer scaled by 1.5 (logits move by 6e-3, gradients by 0.25).
-LOGITS_TOL, GRAD_TOL = 1e-3, 1e-2
-
-
-def experts_class(layer_spec):
-    """The experts class a TransformerLayer spec's MoE mlp builds (ModuleSpec or partial form)."""
-    return _compat.spec_class(_compat.moe_submodules(layer_spec.submodules.mlp).experts)
-
-
-def spec_structure(spec):
-    """A spec as comparable plain data: 0.18+ partials compare by identity, so compare what they
-    build and with which arguments instead."""
-    if isinstance(spec, functools.partial):
-        return ("partial", spec.func, tuple(map(spec_structure, spec.args)),
-                {k: spec_structure(v) for k, v in spec.keywords.items()})
-    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        return (type(spec), {f.name: spec_structure(getattr(spec, f.name))
-                             for f in dataclasses.fields(spec)})
-    if isinstance(spec, (list, tuple)):
-        return [spec_structure(s) for s in spec]
-    if isinstance(spec, dict):
-        return {k: spec_structure(v) for k, v in spec.items()}
-    return spec
-
-
-def mlp_kinds(model):
-    """Per layer: the MLP class of dense layers, the experts class of MoE layers."""
-    return [type(getattr(layer.mlp, "experts", layer.mlp)) for layer in model.decoder.layers]
 
 
 def test_gpt_model_from_the_reference_spec_matches_the_sequential_mlp_model(megatron_cpu):
@@ -140,17 +117,6 @@ def test_a_grouped_gemm_argument_is_megatrons_with_the_default_backend():
     assert experts_class(local(torch_config, moe_grouped_gemm=True)) is TorchGroupedMLP
     megatron = tiny_config(moe_grouped_gemm=True)
     assert experts_class(local(megatron, moe_grouped_gemm=False)) is SequentialMLP
-
-
-def plain_config(**attributes):
-    """A plain TransformerConfig (as MLA configs and Bridge providers are) with the flag, when
-    given, set as an attribute."""
-    fields = {f.name: getattr(tiny_config(), f.name) for f in dataclasses.fields(TransformerConfig)
-              if f.init}
-    config = TransformerConfig(**{**fields, "moe_grouped_gemm": True})
-    for name, value in attributes.items():
-        setattr(config, name, value)
-    return config
 
 
 SPEC_BUILDERS = {

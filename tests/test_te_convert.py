@@ -12,8 +12,15 @@ from mcore_torch_experts import TorchGroupedMLP
 from mcore_torch_experts.convert import convert_experts_to_torch
 from reference import rel_err
 from te_support import needs_te, te_config, te_gpt
-from test_convert import BYTES_PER_LAYER, EXPERTS, sharded_layout
-from tiny_gpt import NUM_EXPERTS, forward_backward, freeze_experts, sequential_to_grouped
+from tiny_gpt import (
+    BYTES_PER_LAYER,
+    EXPERTS,
+    NUM_EXPERTS,
+    forward_backward,
+    freeze_experts,
+    sequential_to_grouped,
+    sharded_layout,
+)
 
 pytestmark = needs_te
 LOGITS_TOL, GRAD_TOL = 1e-2, 5e-2  # BF16: TE's per-expert GEMMs against torch's grouped GEMM

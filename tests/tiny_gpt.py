@@ -1,11 +1,13 @@
 """The tests' model presets: a tiny BF16 GPT-MoE (config, batch, forward/backward, the expert-key
-map between SequentialMLP and TorchGroupedMLP/TEGroupedMLP models), a HybridModel of its layers,
-and a 4-layer FP32 GPT-MoE for adapter training on the CPU (config, LM batch)."""
+map between SequentialMLP and TorchGroupedMLP/TEGroupedMLP models, the sharded-state layout a
+checkpoint would write), a HybridModel of its layers, and a 4-layer FP32 GPT-MoE for adapter
+training on the CPU (config, LM batch)."""
 
 import re
 
 import pytest
 import torch
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
 from megatron.core.models.gpt import GPTModel
 
 from mcore_torch_experts import TorchExpertsTransformerConfig, _compat
@@ -148,3 +150,24 @@ def sequential_to_grouped(state_dict) -> dict:
         elif match[4] == "weight":
             grouped[f"{match[1]}{match[3]}.weight{match[2]}"] = value
     return grouped
+
+
+EXPERTS = [f"decoder.layers.{layer}.mlp.experts" for layer in MOE_LAYERS]
+# fc1 [2F, H] (SwiGLU) and fc2 [H, F] per expert, bf16.
+BYTES_PER_LAYER = NUM_EXPERTS * (2 * MOE_FFN * HIDDEN + HIDDEN * MOE_FFN) * 2
+
+
+def sharded_layout(model):
+    """{global key: sorted [(kind, global shape, global offset)]} of the sharded state dict."""
+    sharded = model.sharded_state_dict()
+    apply_factories(sharded)
+    layout = {}
+    for value in sharded.values():
+        for item in value if isinstance(value, list) else [value]:  # GLU: [gate half, up half]
+            if isinstance(item, ShardedTensor):
+                entry = ("tensor", item.global_shape, item.global_offset)
+            else:
+                assert isinstance(item, ShardedObject), type(item)
+                entry = ("object", item.global_shape, item.global_offset)
+            layout.setdefault(item.key, []).append(entry)
+    return {key: sorted(entries) for key, entries in layout.items()}
