@@ -37,7 +37,8 @@ from cpu_support import (  # noqa: E402
 
 ITERS = 4
 # A tiny GPT-MoE (2 layers, 4 experts of 32, top-2, SwiGLU, RoPE, GQA), with what a CPU host
-# needs: local modules, CPU initialisation, no fused kernels, the allgather dispatcher; BF16 (`bf16_mixed`) as on the GPU.
+# needs: local modules, no fused kernels, the allgather dispatcher. BF16 (`bf16_mixed`), as on
+# the GPU.
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
              ffn_hidden_size=128, num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2,
              moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=1e-3,

@@ -105,7 +105,11 @@ def test_stopped_saved_and_resumed_gives_the_uninterrupted_losses(runs):
     assert lrs == pytest.approx([s["lr"] for s in runs["ours"]["steps"]])
 
 
-def test_first_loss_equals_the_stock_spec_control(runs):
-    """Same pretrained weights, same batch, zero-initialised adapters: the first losses agree."""
+def test_first_losses_equal_the_stock_spec_control(runs):
+    """Same pretrained weights, same batches, adapters still zero (LoRA's B starts at zero and
+    the warm-up from lr 0 makes the first update nothing): the first two losses agree to BF16
+    rounding; then the expert adapters differ (ours one per experts module, the control's one
+    per SequentialMLP expert)."""
     ours, control = losses(runs["ours"]), losses(runs["control"])
-    assert ours[0] == pytest.approx(control[0], rel=1e-4)
+    assert ours[:2] == pytest.approx(control[:2], rel=1e-3)
+    assert runs["ours"]["steps"][0]["lr"] == runs["control"]["steps"][0]["lr"]
