@@ -38,7 +38,7 @@ def skip_reason():
         bridge = None
     if bridge is None:
         return ("Megatron-Bridge is not installed in this leg (it needs megatron-core 0.19+: "
-                "the 0.19.2 leg has Bridge 0.6.2)")
+                "the 0.19.2 leg has Bridge 0.6.2, the 0.20.0 leg Bridge 0.7.0)")
     if HAVE_TE:
         return ("the CPU form of the run needs a host without Transformer Engine: where TE "
                 "imports, Megatron's optimizer takes TE's CUDA-only multi-tensor kernels "
@@ -46,7 +46,7 @@ def skip_reason():
     missing = [name for name in TRAINING_IMPORTS if importlib.util.find_spec(name) is None]
     if missing:
         return (f"Megatron-Bridge's training modules import {', '.join(missing)}, not installed "
-                f"in this leg (scripts/legs.sh installs them with the 0.19.2 leg: "
+                f"in this leg (scripts/legs.sh installs them with the legs that have Bridge: "
                 f"BRIDGE_TRAINING_DEPS)")
     return None
 
