@@ -345,11 +345,11 @@ def megatron_lm_patches() -> list:
 
 
 def megatron_bridge_patches() -> list:
-    """[Patch]: what Megatron-Bridge's `pretrain()`/`finetune()` (megatron.bridge.training) needs,
-    beyond `megatron_lm_patches()` (applied after them) and `megatron_patches(on_cpu=True)`, to
-    run on a CPU-only host with the gloo backend, after `import_megatron_bridge_training()`. Bridge's own copies of
-    Megatron-LM's CUDA-only setup steps; nothing here touches this package or changes what a model
-    computes."""
+    """[Patch]: what Megatron-Bridge's `pretrain()` and `finetune()` (megatron.bridge.training)
+    need, beyond `megatron_lm_patches()` (applied after them) and `megatron_patches(on_cpu=True)`,
+    to run on a CPU-only host with the gloo backend, after `import_megatron_bridge_training()`;
+    tensors they ask for on CUDA come from `CudaTensorsOnTheCpu`. Nothing here touches this
+    package or changes what a model computes."""
     import megatron.bridge.training.initialize as bridge_initialize
     from megatron.bridge.models import model_provider
     from megatron.core import tensor_parallel
