@@ -5,12 +5,13 @@
 #   0.16.1   3.11    .venv      the venv itself (pip install megatron-core==0.16.1)
 #   0.17.1   3.12    .venv312   .venv312/legs/mcore-0.17.1 (--target, put on PYTHONPATH)
 #   0.18.2   3.12    .venv312   .venv312/legs/mcore-0.18.2
-#   0.19.2   3.12    .venv312   .venv312/legs/mcore-0.19.2, with megatron-bridge 0.6.2 and
-#                                nemo-automodel 0.7.0
-#   0.20.0   3.12    .venv312   .venv312/legs/mcore-0.20.0, with megatron-bridge 0.7.0: the stack
-#                                NeMo-RL's main pins by commit (Megatron-LM 14346b65, Megatron-Bridge
-#                                8c46dc42), built from their source archives (STACK_DIR below), and
-#                                NeMo-RL itself (7ea279ab) with the packages its policy worker imports
+#   0.19.2   3.12    .venv312   .venv312/legs/mcore-0.19.2, with megatron-bridge 0.6.2 (and what
+#                                its training entry imports) and nemo-automodel 0.7.0
+#   0.20.0   3.12    .venv312   .venv312/legs/mcore-0.20.0, with megatron-bridge 0.7.0 (and what
+#                                its training entry imports): the stack NeMo-RL's main pins by
+#                                commit (Megatron-LM 14346b65, Megatron-Bridge 8c46dc42), built
+#                                from their source archives (STACK_DIR below), and NeMo-RL itself
+#                                (7ea279ab) with the packages its policy worker imports
 #
 # torch is 2.13.0 in both venvs. For Python 3.11 pip takes the CPU build from this machine's disk;
 # for Python 3.12 it is PyPI's CUDA build (about 5 GB, runs on the CPU), installed once and reused.
@@ -48,6 +49,14 @@ BRIDGE_LIGHT_DEPS="transformers>=5.8,<=5.12.1 omegaconf>=2.3.0 pyyaml tqdm regex
 NEMO_RL_ARCHIVE=nemo-rl-7ea279ab.tar.gz
 NEMO_RL_DIR=nemo-rl
 NEMO_RL_LIGHT_DEPS="transformers>=5.8,<5.9 ray pydantic pyzmq nvidia-ml-py fastapi uvicorn hydra-core prometheus_client pillow requests rich datasets wandb mlflow-skinny swanlab tensorboard tensordict nvidia-modelopt megatron-energon"
+# What Megatron-Bridge's training entry imports (`training.finetune`, `training.pretrain` and
+# `training.gpt_step`, which tests/test_bridge_finetune.py runs) beyond the light dependencies:
+# HF datasets, nvidia-modelopt, Megatron-Energon and tensorboard, and what each of them imports in
+# turn; installed into the folders of the legs with Bridge (0.19.2, 0.20.0) without their
+# dependencies (they include torch and CUDA-only packages). nvidia-resiliency-ext is not among
+# them: PyPI's newest (0.4.1) breaks the import of megatron-core 0.19.2, which asks for 0.6+
+# (examples/cpu_support.py, import_megatron_bridge_training).
+BRIDGE_TRAINING_DEPS="datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pandas==3.1.1 pyarrow==26.0.1 xxhash==4.1.0 requests==2.34.2 urllib3==2.8.0 charset-normalizer==3.5.3 nvidia-modelopt==0.47.0 scipy==1.18.1 PuLP==3.3.2 megatron-energon==7.4.1 multi-storage-client==1.3.1 xattr==1.3.1 cffi==2.1.1 pycparser==3.12 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0 lark==1.3.1 wcmatch==10.2.1 bracex==3.2.3 opentelemetry-api==1.45.2 braceexpand==0.1.7 rapidyaml==0.15.2 deprecation==2.1.0 filetype==1.2.0 webdataset==1.0.2 tensorboard==2.21.0 protobuf==6.33.6 absl-py==2.5.1"
 AUTOMODEL_VERSION=0.7.0
 # NeMo Automodel is installed without its dependencies as well (they include CUDA-only packages):
 # its MoE experts module imports torch, triton and packaging, and its BackendConfig transformers
@@ -192,6 +201,18 @@ setup_leg() {  # leg -> makes its environment; returns 2 when its interpreter is
     "$venv/bin/python" -m pip install -q --no-deps --target "$target" "nemo-automodel==$AUTOMODEL_VERSION"
     # shellcheck disable=SC2086
     "$venv/bin/python" -m pip install -q $AUTOMODEL_LIGHT_DEPS
+  fi
+  # Its own step as well.
+  if { [ "$leg" = 0.19.2 ] || [ "$leg" = 0.20.0 ]; } && [ ! -f "$target/.bridge-training" ]; then
+    echo "[setup $leg] installing Megatron-Bridge's training imports (no dependencies) into $target"
+    local staging
+    staging=$(mktemp -d)
+    # shellcheck disable=SC2086
+    "$venv/bin/python" -m pip install -q --no-deps --target "$staging" $BRIDGE_TRAINING_DEPS \
+      || return 1
+    # Megatron-Energon installs under megatron/, which the leg folder holds already (a second
+    # pip --target would skip it): the staging folder is merged in, replacing nothing.
+    cp -rn "$staging"/. "$target"/ && rm -rf "$staging" && touch "$target/.bridge-training"
   fi
 }
 

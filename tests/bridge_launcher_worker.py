@@ -362,8 +362,8 @@ def main(out: Path, result_path: Path) -> None:
                                                       trained)
 
     # Bridge's checkpoint: the provider as run_config.yaml's `model` section, the weights as a
-    # torch_dist checkpoint. Bridge's own save_megatron_model / load_model_config cannot be
-    # imported on this host (they import nvidia-modelopt and HF datasets); their steps are run.
+    # torch_dist checkpoint. Bridge's own save_megatron_model / load_model_config are not imported
+    # here (they import nvidia-modelopt and HF datasets, not on every leg); their steps are run.
     run_config = out / "run_config.yaml"
     write_run_config(provider, run_config)
     result["run_config_spec"] = run_config_entry(run_config, "transformer_layer_spec")

@@ -346,7 +346,7 @@ def test_adapter_only_distributed_checkpoint_round_trip(bridge, megatron_cpu_tra
                                                         layout):
     """Bridge's way (`training.checkpointing.apply_peft_adapter_filter_to_state_dict` and
     `peft.utils.load_peft_adapter_checkpoint`, whose module needs nvidia-modelopt, not installed
-    here): the model's sharded state dict filtered by `peft.adapter_key_filter`, extra states
+    on every leg): the model's sharded state dict filtered by `peft.adapter_key_filter`, extra states
     dropped, saved with dist_checkpointing; loaded the same way, then `load_state_dict(strict=False)`."""
     from megatron.core import dist_checkpointing
 

@@ -346,6 +346,43 @@ def megatron_lm_patches() -> list:
 
 
 
+def megatron_bridge_patches() -> list:
+    """[Patch]: what Megatron-Bridge's `pretrain()` and `finetune()` (megatron.bridge.training)
+    need, beyond `megatron_lm_patches()` (applied after them) and `megatron_patches(on_cpu=True)`,
+    to run on a CPU-only host with the gloo backend, after `import_megatron_bridge_training()`;
+    tensors they ask for on CUDA come from `CudaTensorsOnTheCpu`. Nothing here touches this
+    package or changes what a model computes."""
+    import megatron.bridge.training.initialize as bridge_initialize
+    from megatron.bridge.models import model_provider
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import random
+
+    get_model = model_provider.get_model
+
+    def get_model_on_the_cpu(*args, **kwargs):
+        return get_model(*args, **{**kwargs, "use_cpu_initialization": True})
+
+    no_op = lambda *args, **kwargs: None  # noqa: E731
+    return [
+        Patch(model_provider, "get_model", get_model_on_the_cpu,
+              "Bridge's training setup builds the model on the current CUDA device (its "
+              "`get_model` resets `use_cpu_initialization` to False); here it is built on the "
+              "CPU, as `get_model(use_cpu_initialization=True)` builds it"),
+        Patch(tensor_parallel, "model_parallel_cuda_manual_seed",
+              random.model_parallel_cuda_manual_seed,
+              "megatron_lm_patches' no-op seeding undone: Bridge's checkpoints save the RNG "
+              "tracker's states and its resume stops on an empty tracker (load_checkpoint's "
+              "`raise KeyError`, then sys.exit); Megatron's own seeding runs, its CUDA generator "
+              "read as the CPU one (megatron_lm_patches' `get_rng_state`), `torch.cuda."
+              "manual_seed` queued by torch (lazy without a device)"),
+        Patch(bridge_initialize, "compile_helpers", no_op,
+              "as megatron_lm_patches' `compile_helpers` (Bridge imports the name itself)"),
+        Patch(bridge_initialize, "_warmup_jit_function", no_op,
+              "Bridge's copy of Megatron-LM's JIT warm-up on CUDA tensors (the fusions are off "
+              "on the CPU)"),
+    ]
+
+
 BRIDGE_CHECKPOINTING = ("megatron.bridge.training.model_load_save",
                         "megatron.bridge.training.checkpointing",
                         "megatron.bridge.training.post_training.checkpointing",
@@ -493,3 +530,43 @@ def nemo_rl_patches() -> list:
               "the worker asserts that the device it set is current: NeMo-RL is answered the "
               "device it set (0), everyone else as before"),
     ]
+
+
+BRIDGE_TRAINING = ("megatron.bridge.training.pretrain", "megatron.bridge.training.finetune",
+                   "megatron.bridge.training.gpt_step")
+
+
+def import_megatron_bridge_training():
+    """Import Megatron-Bridge's training entry (`training.finetune`, `training.pretrain`,
+    `training.gpt_step`'s forward_step), after `import_megatron_bridge()`, with the packages its
+    training modules import installed (scripts/legs.sh, BRIDGE_TRAINING_DEPS: HF `datasets`,
+    nvidia-modelopt, Megatron-Energon, tensorboard and what they import) but one.
+
+    `training.pretrain` runs `from nvidia_resiliency_ext.inprocess import CallWrapper`
+    unconditionally (the name is used only with in-process restart on). PyPI's newest
+    nvidia-resiliency-ext, 0.4.1, cannot be installed next to megatron-core 0.19.2: Megatron-Core
+    asks for 0.6+ (not on PyPI) and, finding 0.4.1's async checkpointing modules, reads its
+    missing `__version__` when `megatron.core` is imported (AttributeError). Where the package is
+    missing, a stand-in holding that one name (a class nothing makes) is visible while Bridge's
+    training modules are imported and removed right after; Megatron-Core's dist_checkpointing is
+    imported first, so it decides without it. An installed package is used as it is."""
+    import importlib
+    import importlib.util
+
+    importlib.import_module("megatron.core.dist_checkpointing")
+    stand_ins = {}
+    if importlib.util.find_spec("nvidia_resiliency_ext") is None:
+        nvrx = types.ModuleType("nvidia_resiliency_ext")
+        nvrx.__path__ = []
+        nvrx.inprocess = types.ModuleType("nvidia_resiliency_ext.inprocess")
+        nvrx.inprocess.CallWrapper = type("CallWrapper", (), {})  # in-process restart is off
+        stand_ins = {"nvidia_resiliency_ext": nvrx,
+                     "nvidia_resiliency_ext.inprocess": nvrx.inprocess}
+    sys.modules.update(stand_ins)
+    try:
+        for name in BRIDGE_TRAINING:
+            importlib.import_module(name)
+    finally:
+        for name in stand_ins:
+            sys.modules.pop(name, None)
+    return [sys.modules[name] for name in BRIDGE_TRAINING]
