@@ -3,8 +3,11 @@
 `__init__` (`enable_torch_experts`, then `MegatronPolicyWorkerImpl.__init__`'s setup), then the
 worker's `get_logprobs` and one `train` step, with the docs' PEFT block and without PEFT
 (nemo_rl_worker_run.py, in its own process). References: transformers' forward of the same
-checkpoint, and the parameters before the step. Skipped, with the reason, where NeMo-RL's stack
-is not installed (every leg but 0.20.0; scripts/legs.sh installs it there).
+checkpoint, and the parameters before the step. With PEFT, the worker's own `save_checkpoint`
+after the step, then a fresh worker in a new process resuming from it as NeMo-RL resumes a run
+(its `weights_path` and `optimizer_path`), against the trained worker and the HF checkpoint.
+Skipped, with the reason, where NeMo-RL's stack is not installed (every leg but 0.20.0;
+scripts/legs.sh installs it there).
 """
 
 import importlib.util
@@ -48,8 +51,21 @@ def nemo_rl_folder() -> Path:
 def nemo_rl_run(request, tmp_path_factory):
     folder = nemo_rl_folder()
     examples = Path(__file__).parents[1] / "examples"  # hf_roundtrip's tiny checkpoint
-    return run_worker(WORKER, tmp_path_factory.mktemp("nemo_rl"), hide_gpus=True,
-                      args=["1" if request.param else "0"], pythonpath=[folder, examples])
+    out = tmp_path_factory.mktemp("nemo_rl")
+    result = run_worker(WORKER, out, hide_gpus=True, args=["1" if request.param else "0"],
+                        pythonpath=[folder, examples])
+    return {**result, "out": out, "pythonpath": [folder, examples]}
+
+
+@pytest.fixture(scope="module")
+def nemo_rl_reload(nemo_rl_run):
+    """The PEFT run's checkpoint, saved by the trained worker's save_checkpoint, loaded by a fresh
+    worker in a new process (the case without PEFT is skipped to keep the test short: its save
+    and load are the same calls on the whole model)."""
+    if not nemo_rl_run["peft"]:
+        pytest.skip("the save and reload are checked with PEFT")
+    return run_worker(WORKER, nemo_rl_run["out"], hide_gpus=True, args=["1", "reload"],
+                      pythonpath=nemo_rl_run["pythonpath"])
 
 
 def expert_weight(name: str) -> bool:
@@ -95,3 +111,29 @@ def test_nemo_rl_train_step_trains_what_the_docs_say(nemo_rl_run):
         routers = {name for name in names if name.endswith(".mlp.router.weight")}
         assert routers  # NeMo-RL's recipe freezes them (freeze_moe_router: true)
         assert changed == names - experts - routers
+
+
+def test_nemo_rl_resumed_worker_reloads_the_trained_policy(nemo_rl_reload):
+    """A fresh worker built from the trained worker's checkpoint (NeMo-RL's save_checkpoint, then
+    CheckpointManager.get_resume_paths' weights_path and optimizer_path for the constructor):
+    TorchGroupedMLP experts, the trained logprobs, adapters and Adam moments, the HF checkpoint's
+    expert weights."""
+    result = nemo_rl_reload
+    assert result["resume_paths"] == {"weights_path": "policy/weights",
+                                      "optimizer_path": "policy/optimizer"}
+    assert result["experts"] == ["TorchGroupedMLP", "TorchGroupedMLP"]
+    assert result["provider_spec"] == "torch_experts_gpt_spec"
+    assert result["reloaded_vs_trained_logprobs_max_abs"] < 1e-6
+    assert result["reloaded_vs_hf_logprobs_max_abs"] > 1e-3  # the trained adapters, not zero ones
+    assert result["all_names"] == result["trained_names"]
+    assert any(".adapter." in name for name in result["all_names"])
+    assert result["differing"] == []  # every parameter, adapters included, bitwise the trained
+    assert result["expert_weights_compared"] == 16
+    assert result["expert_weights_vs_hf_max_abs"] == 0.0  # the HF checkpoint's, bitwise
+    assert result["moment_names"] == result["trained_moment_names"] != []  # the optimizer's too
+    assert result["moments_max_abs"] == 0.0
+    # Bridge's PEFT save keeps the adapters (and their Adam moments) only; the frozen base, the
+    # experts' weights among them, comes back from NeMo-RL's converted HF checkpoint.
+    saved = [key for key in result["saved_keys"] if not key.startswith(("rng_state", "common_"))]
+    assert saved and all(".adapter." in key for key in saved)
+    assert {key for key in saved if key.startswith("optimizer.state.")}
