@@ -383,6 +383,21 @@ def megatron_bridge_patches() -> list:
     ]
 
 
+def _import_with_stand_ins(names, stand_ins: dict) -> list:
+    """The modules `names`, imported with the `stand_ins` ({name: module}) visible in sys.modules
+    during that import only."""
+    import importlib
+
+    sys.modules.update(stand_ins)
+    try:
+        for name in names:
+            importlib.import_module(name)
+    finally:
+        for name in stand_ins:
+            sys.modules.pop(name, None)
+    return [sys.modules[name] for name in names]
+
+
 BRIDGE_CHECKPOINTING = ("megatron.bridge.training.model_load_save",
                         "megatron.bridge.training.checkpointing",
                         "megatron.bridge.training.post_training.checkpointing",
@@ -448,14 +463,7 @@ def import_megatron_bridge_checkpointing():
         writer = types.ModuleType("torch.utils.tensorboard.writer")
         writer.SummaryWriter = type("SummaryWriter", (), {})  # never made: no tensorboard_dir
         stand_ins["torch.utils.tensorboard.writer"] = writer
-    sys.modules.update(stand_ins)
-    try:
-        for name in BRIDGE_CHECKPOINTING:
-            importlib.import_module(name)
-    finally:
-        for name in stand_ins:
-            sys.modules.pop(name, None)
-    return [sys.modules[name] for name in BRIDGE_CHECKPOINTING]
+    return _import_with_stand_ins(BRIDGE_CHECKPOINTING, stand_ins)
 
 
 def nemo_rl_patches() -> list:
@@ -562,11 +570,4 @@ def import_megatron_bridge_training():
         nvrx.inprocess.CallWrapper = type("CallWrapper", (), {})  # in-process restart is off
         stand_ins = {"nvidia_resiliency_ext": nvrx,
                      "nvidia_resiliency_ext.inprocess": nvrx.inprocess}
-    sys.modules.update(stand_ins)
-    try:
-        for name in BRIDGE_TRAINING:
-            importlib.import_module(name)
-    finally:
-        for name in stand_ins:
-            sys.modules.pop(name, None)
-    return [sys.modules[name] for name in BRIDGE_TRAINING]
+    return _import_with_stand_ins(BRIDGE_TRAINING, stand_ins)
