@@ -581,6 +581,8 @@ def main():
         warnings.filterwarnings("ignore", message=noise)
 
     init_parallel(args.ep, device)
+    if "bridge" in args.adapters:
+        cm.import_bridge_peft()  # here, before any arm's model is on the stack
     rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     lines_header = header(device, packages=("triton", "megatron-core", "transformer-engine",

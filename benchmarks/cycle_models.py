@@ -194,15 +194,24 @@ def adapter_source(requested: str) -> str:
     return requested
 
 
+def import_bridge_peft() -> None:
+    """Import Megatron-Bridge's PEFT (the real import with TE; a stand-in without it, on the CPU)
+    and register the package with it. Done once before any arm is built: Bridge keeps the
+    exceptions of the optional imports it tries, and with their tracebacks every frame then on
+    the stack, which would keep the first arm's model alive past its turn."""
+    import mcore_torch_experts
+    from mcore_torch_experts.testing.bridge_imports import import_megatron_bridge
+
+    import_megatron_bridge()
+    mcore_torch_experts.register_with_megatron_bridge()
+
+
 def add_adapters(model, args, expert_adapters: str) -> None:
     """LoRA on TARGETS, base frozen: Megatron-Bridge's (share_expert_adapters from
-    `expert_adapters`, "shared" or "per_expert") or ours (BF16 adapters, as Bridge's)."""
+    `expert_adapters`, "shared" or "per_expert"; import_bridge_peft first) or ours (BF16
+    adapters, as Bridge's)."""
     if args.adapters == "bridge":
-        import mcore_torch_experts
-        from mcore_torch_experts.testing.cpu_support import import_megatron_bridge
-
-        import_megatron_bridge()  # the real import with TE; a stand-in without it (CPU)
-        mcore_torch_experts.register_with_megatron_bridge()
+        import_bridge_peft()  # already done: a no-op
         from megatron.bridge.peft.lora import LoRA
 
         LoRA(target_modules=TARGETS, dim=args.rank, alpha=args.alpha,

@@ -31,11 +31,8 @@ import torch
 from mcore_torch_experts import apply_lora, lora_parameters, register_with_megatron_bridge
 from mcore_torch_experts.lora import LoRALinear, PerExpertLoRAAdapter
 from mcore_torch_experts.specs import torch_experts_gpt_spec
-from mcore_torch_experts.testing.cpu_support import (
-    import_megatron_bridge,
-    init_single_process_megatron,
-    shutdown_megatron,
-)
+from mcore_torch_experts.testing.bridge_imports import import_megatron_bridge
+from mcore_torch_experts.testing.cpu_support import init_single_process_megatron, shutdown_megatron
 
 TINY_QWEN3_MOE = dict(vocab_size=128, hidden_size=64, intermediate_size=128,
                       moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,

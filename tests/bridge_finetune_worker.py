@@ -24,11 +24,13 @@ from pathlib import Path
 
 import torch
 
+from mcore_torch_experts.testing.bridge_imports import (
+    import_megatron_bridge,
+    import_megatron_bridge_training,
+)
 from mcore_torch_experts.testing.cpu_support import (
     CudaTensorsOnTheCpu,
     apply,
-    import_megatron_bridge,
-    import_megatron_bridge_training,
     megatron_bridge_patches,
     megatron_lm_patches,
     megatron_patches,

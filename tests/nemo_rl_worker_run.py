@@ -30,7 +30,7 @@ import torch
 
 import hf_roundtrip as example
 from doc_snippets import snippet
-from mcore_torch_experts.testing import cpu_support
+from mcore_torch_experts.testing import bridge_imports, cpu_support
 
 NEMO_RL_CONFIG = "grpo_math_1B_megatron.yaml"  # NeMo-RL's Megatron GRPO recipe
 SEQ = 16
@@ -183,8 +183,8 @@ def main(out: Path, result_path: Path, peft: bool, phase: str) -> None:
     # Packages import_megatron_bridge_checkpointing would stand in for where they are missing.
     missing = [name for name in ("datasets", "modelopt", "megatron.energon", "tensorboard")
                if importlib.util.find_spec(name) is None]
-    cpu_support.import_megatron_bridge()
-    cpu_support.import_megatron_bridge_checkpointing()
+    bridge_imports.import_megatron_bridge()
+    bridge_imports.import_megatron_bridge_checkpointing()
     from nemo_rl.algorithms.loss.loss_functions import NLLLossFn
     from nemo_rl.utils.checkpoint import CheckpointManager
 

@@ -1,3 +1,5 @@
-"""What runs Megatron-Core where its CUDA-only calls would stop it: `cpu_support`, the one table
-of patches (each with its reason) that the examples, the test fixtures, the test workers and the
-benchmarks' CPU modes apply. Never imported by the package's own modules."""
+"""What runs Megatron-Core, Megatron-LM, Megatron-Bridge and NeMo-RL where their CUDA-only calls
+would stop them: `cpu_support`, the one table of patches (each with its reason) that the
+examples, the test fixtures, the test workers and the benchmarks' CPU modes apply, and
+`bridge_imports`, Megatron-Bridge's imports on a host without Transformer Engine or Bridge's
+optional training packages. Never imported by the package's own modules."""
