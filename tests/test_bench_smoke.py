@@ -369,3 +369,16 @@ def test_a_parked_arm_refuses_to_end_a_turn_while_its_model_is_still_referenced(
     arm.open()
     arm.close()  # nothing else holds it
     assert arm.cycle is None
+
+
+def test_bench_field_kernels_tiny(tmp_path):
+    """The kernels-from-the-field benchmark's CPU smoke: the arms that run here agree with the
+    FP32 evaluation; those that cannot say why instead of failing the run."""
+    stdout = run_benchmark("bench_field_kernels.py", "--tiny", "--out-dir", str(tmp_path))
+    assert "| shape, routing | arm | forward ms | update ms |" in stdout
+    report = json.loads((tmp_path / "field_kernels.json").read_text())
+    rows = [row for result in report["results"] for row in result["rows"]]
+    ran = {row["name"] for row in rows if "err" in row}
+    assert ran == {"grouped_mm", "fused_gemm"}, rows
+    assert all(row["err"] < 3e-2 for row in rows if "err" in row), rows
+    assert all(row["note"].startswith("not available") for row in rows if "note" in row), rows

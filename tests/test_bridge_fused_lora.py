@@ -92,20 +92,15 @@ def with_kernel(experts, kernel):
     experts.kernels = KernelChoice(kernel, kernel, experts.kernels.activation)
 
 
-@pytest.mark.triton_interpreter
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_forced_fused_gemm_runs_bridges_adapters_as_bridge_does(bridge, megatron_cpu, layout,
-                                                                  monkeypatch):
+def check_bridge_adapters_run_in_the_kernels(bridge, pg, layout, monkeypatch, device):
     """One fused call with both adapter terms, Bridge's adapter forward never called; the
     output, the input and probs gradients and every adapter factor's gradient as on
     "grouped_mm" (Bridge's forward), the output and input gradient as the FP64 loop's, and the
     same bits run to run."""
-    pytest.importorskip("triton", reason="triton is not installed: the fused kernels are untested")
-    if torch.cuda.is_available():
-        pytest.skip("on a CUDA host the kernels run compiled, on the GPU (tests/test_gpu.py)")
     from mcore_torch_experts.kernels import fused_experts as fused_module
 
-    config, experts = experts_with_bridge_lora(bridge, megatron_cpu, LAYOUTS[layout])
+    config, experts = experts_with_bridge_lora(bridge, pg, LAYOUTS[layout])
+    experts.to(device)
     calls, adapter_calls = [], []
     real = fused_module.fused_experts
     monkeypatch.setattr(fused_module, "fused_experts",
@@ -113,7 +108,7 @@ def test_forced_fused_gemm_runs_bridges_adapters_as_bridge_does(bridge, megatron
     for linear in (experts.linear_fc1, experts.linear_fc2):
         monkeypatch.setattr(linear.adapter, "forward", lambda *a, f=linear.adapter.forward, **k:
                             adapter_calls.append(1) or f(*a, **k))
-    x, probs, grad = inputs()
+    x, probs, grad = (t.to(device) for t in inputs())
     fused = forward_backward(experts, x, probs, grad)
     assert len(calls) == 1 and all(term is not None for term in calls[0]) and not adapter_calls
     assert torch.equal(forward_backward(experts, x, probs, grad)[0], fused[0])
@@ -128,6 +123,28 @@ def test_forced_fused_gemm_runs_bridges_adapters_as_bridge_does(bridge, megatron
     if layout == "per_expert":  # the zero-token expert's factors get no gradient
         idle = SPLITS.index(0)
         assert all(not g[idle].any() for g in fused[3:])
+
+
+@pytest.mark.triton_interpreter
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_forced_fused_gemm_runs_bridges_adapters_as_bridge_does(bridge, megatron_cpu, layout,
+                                                                  monkeypatch):
+    """Bridge's shared and per-expert LoRA in the fused kernels under the Triton interpreter:
+    check_bridge_adapters_run_in_the_kernels on the CPU."""
+    pytest.importorskip("triton", reason="triton is not installed: the fused kernels are untested")
+    if torch.cuda.is_available():
+        pytest.skip("on a CUDA host the kernels run compiled, on the GPU "
+                    "(test_forced_fused_gemm_runs_bridges_adapters_on_cuda)")
+    check_bridge_adapters_run_in_the_kernels(bridge, megatron_cpu, layout, monkeypatch, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_forced_fused_gemm_runs_bridges_adapters_on_cuda(bridge, megatron_world, layout,
+                                                         monkeypatch):
+    """The same check with the kernels compiled, on the GPU."""
+    check_bridge_adapters_run_in_the_kernels(bridge, megatron_world, layout, monkeypatch, "cuda")
 
 
 @pytest.mark.triton_interpreter
