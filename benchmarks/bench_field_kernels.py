@@ -28,8 +28,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from harness import (REPO_ROOT, error_note, fmt, markdown_table, median_ms, rerun_with_cpu_env,
-                     version, write_report)
+from harness import (
+    REPO_ROOT,
+    error_note,
+    fmt,
+    markdown_table,
+    median_ms,
+    rerun_with_cpu_env,
+    version,
+    write_report,
+)
 from harness import header as bench_header
 from shapes import SHAPES, TINY_SHAPES, make_splits
 
@@ -262,7 +270,9 @@ def main():
             ref = reference(problem)
             print(f"[field] {name} {routing}: {len(arms)} arms x {args.rounds} rounds", flush=True)
             rows = measure(problem, arms, ref, args, device)
-            lines += report_rows(f"{name} {routing}", rows)
+            shape_lines = report_rows(f"{name} {routing}", rows)
+            print("\n".join("| " + " | ".join(map(str, r)) + " |" for r in shape_lines), flush=True)
+            lines += shape_lines
             data.append({"shape": name, "routing": routing, "rows": rows})
     headers = ["shape, routing", "arm", "forward ms", "update ms", "x grouped_mm fwd",
                "x grouped_mm update", "rel err vs FP32", "note"]
