@@ -341,6 +341,8 @@ def test_nemo_rl_extension_worker_gives_its_import_the_spec(bridge_run):
     assert bridge_run["nemo_rl_import_experts"] == ["TorchGroupedMLP", "TorchGroupedMLP"]
     # The provider NeMo-RL rebuilds from run_config.yaml (the extension allowed the prefix).
     assert bridge_run["nemo_rl_provider_spec"] == "torch_experts_gpt_spec"
+    # examples/nemo_rl_worker.py names the package's class and function.
+    assert bridge_run["nemo_rl_example_reexports"]
 
 
 @pytest.mark.parametrize("fmt", ["megatron_bridge", "megatron_lm"])
