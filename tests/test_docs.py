@@ -31,7 +31,8 @@ def test_snippet_names_are_unique_across_the_pages():
 
 
 def test_every_snippet_is_run_by_a_test():
-    sources = "".join(path.read_text() for path in TESTS.glob("*.py"))
+    sources = "".join(path.read_text() for folder in (TESTS, TESTS / "workers")
+                      for path in folder.glob("*.py"))
     used = set(re.findall(r'(?:run_snippet|snippet)\("([\w-]+)"', sources))
     published = {name for doc in PUBLISHED for name in snippets(doc)}
     assert published <= used, f"not run by any test: {sorted(published - used)}"

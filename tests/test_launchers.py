@@ -248,7 +248,7 @@ def megatron_lm(tmp_path_factory):
     if not _has_megatron_lm_gpt_builder():
         pytest.skip("megatron.training has no GPTModelBuilder (it ships with megatron-core 0.19)")
     # The worker runs its tiny models on the CPU (gloo), on a CUDA host too.
-    return run_worker(Path(__file__).with_name("megatron_lm_worker.py"),
+    return run_worker(Path(__file__).parent / "workers" / "megatron_lm_worker.py",
                       tmp_path_factory.mktemp("megatron_lm"), hide_gpus=True)
 
 
@@ -279,7 +279,7 @@ def bridge_run(tmp_path_factory):
             importlib.util.find_spec("transformers") is None:
         pytest.skip("needs megatron-bridge and transformers (the Python 3.12 / megatron-core "
                     "0.19 leg)")
-    return run_worker(Path(__file__).with_name("bridge_launcher_worker.py"),
+    return run_worker(Path(__file__).parent / "workers" / "bridge_launcher_worker.py",
                       tmp_path_factory.mktemp("bridge_launcher"), hide_gpus=True)
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from bridge_support import run_worker
 
-WORKER = Path(__file__).with_name("nemo_rl_worker_run.py")
+WORKER = Path(__file__).parent / "workers" / "nemo_rl_worker_run.py"
 
 
 def nemo_rl_folder() -> Path:

@@ -7,7 +7,7 @@ steps, the adapters merged, the provider written as Bridge's run_config.yaml and
 the way Bridge's `load_model_config` and NeMo-RL do (`instantiate`), the weights through a
 torch_dist checkpoint. Writes what it measured as JSON to argv[2].
 
-    python tests/bridge_launcher_worker.py OUT_DIR RESULT_JSON
+    python tests/workers/bridge_launcher_worker.py OUT_DIR RESULT_JSON
 """
 
 import json
@@ -204,7 +204,7 @@ def load_nemo_rl_extension():
     sys.modules.update(stand_ins)
     try:
         module = importlib.import_module(name)
-        path = Path(__file__).parents[1] / "examples" / "nemo_rl_worker.py"
+        path = Path(__file__).parents[2] / "examples" / "nemo_rl_worker.py"
         spec = importlib.util.spec_from_file_location("nemo_rl_worker", path)
         example = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(example)

@@ -13,9 +13,10 @@ process on the same OUT_DIR, builds a fresh worker from that checkpoint as a res
 does (`CheckpointManager.get_resume_paths`, the constructor's `weights_path` and
 `optimizer_path`) and compares it with what the training process kept.
 
-    python tests/nemo_rl_worker_run.py OUT_DIR RESULT_JSON PEFT(0|1) [train|reload]
+    python tests/workers/nemo_rl_worker_run.py OUT_DIR RESULT_JSON PEFT(0|1) [train|reload]
 
-Writes what it measured as JSON to RESULT_JSON.
+(with NeMo-RL's folder, the repository, tests/ and examples/ on PYTHONPATH). Writes what it
+measured as JSON to RESULT_JSON.
 """
 
 import copy
