@@ -198,6 +198,7 @@ def test_cycle_memory_replay_finds_what_is_alive_at_the_peak():
                     "autograd engine / C++ (no Python frame), 0 MiB blocks": [50, 1]}
 
 
+@pytest.mark.te
 def test_cycle_memory_runs_on_a_tiny_slice(tmp_path):
     if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
         pytest.skip("cycle_memory.py records the CUDA allocator; its default arms include "

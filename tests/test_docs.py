@@ -48,8 +48,9 @@ def test_readme_commands_are_the_scripts_ci_runs():
     assert ci == ["bash scripts/run_tests.sh"], "CI must run the README's test command, only it"
 
 
-@needs_te[0]
+@pytest.mark.te
 @needs_te[1]
+@needs_te[2]
 def test_readme_flag_snippet_gives_torch_experts(te_world):
     """Megatron's TE layer spec, which the snippet names, needs Transformer Engine to build."""
     spec = run_snippet("readme-flag", README_MD)["layer_spec"]

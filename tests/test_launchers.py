@@ -63,7 +63,8 @@ def with_torch_experts_in_moe_layers(structure):
     return structure
 
 
-@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+@pytest.mark.parametrize("impl", ["local",
+                                  pytest.param("transformer_engine", marks=pytest.mark.te)])
 def test_gpt_spec_without_the_backend_field_is_megatrons_block_with_torch_experts(megatron_cpu,
                                                                                   impl):
     config = plain_config(transformer_impl=impl)
@@ -382,6 +383,7 @@ def test_bridge_peft_snippet_wraps_the_experts_per_expert(bridge_run):
     assert bridge_run["doc_peft_expert_adapter"] == "GroupedExpertLinearAdapter"
 
 
+@pytest.mark.te
 def test_bridge_mtp_layers_inherit_the_named_spec(megatron_cpu):
     """Bridge's GPT provider derives its MTP block from the last layer of the named spec; it
     builds that block with Transformer Engine modules, so this runs where TE is installed."""
@@ -400,6 +402,7 @@ def test_bridge_mtp_layers_inherit_the_named_spec(megatron_cpu):
     assert _compat.spec_class(_compat.moe_submodules(mlp).experts) is TorchGroupedMLP
 
 
+@pytest.mark.te
 def test_bridge_hybrid_provider_trains_bridge_lora_on_cuda(megatron_world, monkeypatch):
     """A Bridge HybridModelProvider (attention and MoE layers) naming the hybrid entry point
     builds TorchGroupedMLP experts with Megatron's TE hybrid stack and trains Bridge's LoRA on
