@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-import bench_cycle as bc
 import cycle_models as cm
+import cycle_passes
 from harness import GIB, MIB, REPO_ROOT, header, markdown_table, reset_peak, write_report
 from shapes import SLICES
 
@@ -149,7 +149,7 @@ def parse_args():
     parser.add_argument("--arms", default="te,torch")
     parser.add_argument("--expert-adapters", default="shared", choices=cm.EXPERT_ADAPTERS)
     parser.add_argument("--adapters", choices=["auto", "bridge", "ours"], default="auto")
-    bc.add_batch_and_adapter_options(parser, micro_batches=1)
+    cycle_passes.add_batch_and_adapter_options(parser, micro_batches=1)
     args = parser.parse_args()
     key, _, layers = args.slice.partition(":")
     if key not in SLICES or not layers.isdigit() or int(layers) < 1:
@@ -168,17 +168,17 @@ def main():
     device = torch.device("cuda", 0)
     stack = cm.pick_stack("auto", device)
     args.adapters = cm.adapter_source(args.adapters)
-    bc.init_parallel(1, device)
+    cycle_passes.init_parallel(1, device)
     model = SLICES[key]
     config = cm.make_config(model, layers, stack, args, device)
-    batches = bc.make_batches(model, args, device)
+    batches = cycle_passes.make_batches(model, args, device)
     results = {}
     for arm in arms:
         print(f"[memory] {key}:{layers} {arm}: building", flush=True)
         with cm.arm_environment(arm):
             built = cm.build_arm(arm, model, layers, config, stack, args, device,
                                  args.expert_adapters)
-            cycle = bc.Cycle(arm, built, batches, stack, args, device)
+            cycle = cycle_passes.Cycle(arm, built, batches, stack, args, device)
             cycle.logprob_pass()
             cycle.update_pass()  # warm-up
             results[arm] = record_update(cycle, device)

@@ -230,7 +230,7 @@ def moe_side_over_rounds(profiles) -> dict:
 
 
 def profile_update(cycle, update_ms: float, device) -> dict:
-    """One profiled update pass of `cycle` (bench_cycle.Cycle): {component: ms} (GPU idle = the
+    """One profiled update pass of `cycle` (cycle_passes.Cycle): {component: ms} (GPU idle = the
     measured update time minus the profiled device time), the recompute's ms by component, the
     profiled device time and the expert GEMMs' main kernels."""
     from torch.profiler import ProfilerActivity, profile

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 def import_bridge_peft() -> None:
     """Import Bridge's PEFT modules, or skip the test with the reason Bridge is unavailable."""
@@ -35,7 +37,7 @@ def run_worker(worker: Path, out: Path, hide_gpus: bool = False, args=(),
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     if hide_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), str(worker.parents[1]),
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), str(REPO),
                                          env.get("PYTHONPATH", "")])
     run = subprocess.run([sys.executable, "-W", "ignore", str(worker), str(out),
                           str(out / "result.json"), *args], env=env, capture_output=True,

@@ -15,11 +15,12 @@ from triton_interpreter import interpreter_is_on, run_interpreted
 ROOT = Path(__file__).resolve().parents[1]
 # Child processes (examples, workers, torchrun, benchmarks) import this checkout's package, not
 # whichever copy an editable install points at, and the suite's own modules (tests/: the
-# references and model presets; benchmarks/: the harness; examples/: the examples the workers
-# run), as this process does through pytest's `pythonpath` setting (setup.cfg).
+# references and model presets; tests/workers/: the workers; benchmarks/: the harness;
+# examples/: the examples the workers run), as this process does through pytest's `pythonpath`
+# setting (setup.cfg).
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [
-    str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks"), str(ROOT / "examples"),
-    os.environ.get("PYTHONPATH")]))
+    str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "workers"), str(ROOT / "benchmarks"),
+    str(ROOT / "examples"), os.environ.get("PYTHONPATH")]))
 
 
 def _apply(monkeypatch, patches):

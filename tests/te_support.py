@@ -15,6 +15,7 @@ from tiny_gpt import SEQ, VOCAB, tiny_config
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 
 needs_te = [
+    pytest.mark.te,
     pytest.mark.skipif(not torch.cuda.is_available(),
                        reason="needs a CUDA device: Transformer Engine runs on CUDA only"),
     pytest.mark.skipif(not HAVE_TE, reason="needs Transformer Engine (pip install .[te] on a GPU "

@@ -198,6 +198,7 @@ def test_cycle_memory_replay_finds_what_is_alive_at_the_peak():
                     "autograd engine / C++ (no Python frame), 0 MiB blocks": [50, 1]}
 
 
+@pytest.mark.te
 def test_cycle_memory_runs_on_a_tiny_slice(tmp_path):
     if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
         pytest.skip("cycle_memory.py records the CUDA allocator; its default arms include "
@@ -304,13 +305,13 @@ def test_bench_bridge_per_expert_tiny():
 
 
 def test_a_parked_arm_trains_on_as_if_it_had_stayed_built():
-    """bench_cycle's ParkedArm: two update steps with the model dropped and rebuilt between them
-    give bitwise the adapters, optimizer state and logprobs of two steps on one model; the
-    dropped model is freed."""
+    """bench_cycle's ParkedArm (cycle_passes.py): two update steps with the model dropped and
+    rebuilt between them give bitwise the adapters, optimizer state and logprobs of two steps on
+    one model; the dropped model is freed."""
     import types
     import weakref
 
-    import bench_cycle
+    import cycle_passes
 
     x = torch.randn(8, 6)
 
@@ -331,7 +332,7 @@ def test_a_parked_arm_trains_on_as_if_it_had_stayed_built():
 
     held = build()
     step(held), step(held)
-    arm = bench_cycle.ParkedArm(build)
+    arm = cycle_passes.ParkedArm(build)
     step(arm.open())
     first = weakref.ref(arm.cycle.model)
     arm.close()
@@ -351,7 +352,7 @@ def test_a_parked_arm_refuses_to_end_a_turn_while_its_model_is_still_referenced(
     arm) is an error naming it; the state was kept, and the next close of a clean turn passes."""
     import types
 
-    import bench_cycle
+    import cycle_passes
 
     def build():
         model = torch.nn.Linear(4, 2)
@@ -360,7 +361,7 @@ def test_a_parked_arm_refuses_to_end_a_turn_while_its_model_is_still_referenced(
                                      optimizer=torch.optim.AdamW(params, lr=0.1),
                                      old_logprobs=[torch.zeros(2)])
 
-    arm = bench_cycle.ParkedArm(build)
+    arm = cycle_passes.ParkedArm(build)
     leaked = arm.open().model
     with pytest.raises(RuntimeError, match="the arm's model outlived its turn"):
         arm.close()

@@ -2,7 +2,7 @@
 over TorchGroupedMLP experts with the provider settings docs/enable.md gives, and its adapter
 checkpoints resume.
 
-tests/bridge_finetune_worker.py runs, under torchrun on the CPU, the flow of Bridge's own LoRA
+tests/workers/bridge_finetune_worker.py runs, under torchrun on the CPU, the flow of Bridge's own LoRA
 functional tests: a stock `pretrain()` (Bridge's local spec: SequentialMLP experts, every weight
 training) saves a torch_dist checkpoint; `finetune()` with Bridge's LoRA on linear_qkv,
 linear_proj, linear_fc1 and linear_fc2 starts from it with `provider.transformer_layer_spec =
@@ -26,7 +26,7 @@ import pytest
 
 from te_support import HAVE_TE
 
-WORKER = Path(__file__).with_name("bridge_finetune_worker.py")
+WORKER = Path(__file__).parent / "workers" / "bridge_finetune_worker.py"
 TRAINING_IMPORTS = ("datasets", "modelopt", "megatron.energon", "tensorboard")
 
 

@@ -31,7 +31,8 @@ def test_snippet_names_are_unique_across_the_pages():
 
 
 def test_every_snippet_is_run_by_a_test():
-    sources = "".join(path.read_text() for path in TESTS.glob("*.py"))
+    sources = "".join(path.read_text() for folder in (TESTS, TESTS / "workers")
+                      for path in folder.glob("*.py"))
     used = set(re.findall(r'(?:run_snippet|snippet)\("([\w-]+)"', sources))
     published = {name for doc in PUBLISHED for name in snippets(doc)}
     assert published <= used, f"not run by any test: {sorted(published - used)}"
@@ -47,8 +48,9 @@ def test_readme_commands_are_the_scripts_ci_runs():
     assert ci == ["bash scripts/run_tests.sh"], "CI must run the README's test command, only it"
 
 
-@needs_te[0]
+@pytest.mark.te
 @needs_te[1]
+@needs_te[2]
 def test_readme_flag_snippet_gives_torch_experts(te_world):
     """Megatron's TE layer spec, which the snippet names, needs Transformer Engine to build."""
     spec = run_snippet("readme-flag", README_MD)["layer_spec"]

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
 needs_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None,
                                 reason="needs the peft library to load the HF PEFT adapter")
 
-WORKER = Path(__file__).with_name("hf_bridge_lora_worker.py")
+WORKER = Path(__file__).parent / "workers" / "hf_bridge_lora_worker.py"
 LAYOUTS = ["shared", "per_expert", "shared_outer", "per_expert_normalized"]
 ALL_LINEARS = [f"decoder.layers.{i}.{name}" for i in (0, 1) for name in (
     "self_attention.linear_proj", "self_attention.linear_qkv", "mlp.experts.linear_fc1",

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(
     or importlib.util.find_spec("megatron.bridge") is None,
     reason="needs megatron-bridge and transformers (the Python 3.12 / megatron-core 0.19 leg)")
 
-WORKER = Path(__file__).with_name("hf_roundtrip_worker.py")
+WORKER = Path(__file__).parent / "workers" / "hf_roundtrip_worker.py"
 NUM_LORA_WRAPPERS = 2 * 4  # 2 layers x (linear_qkv, linear_proj, experts fc1, experts fc2)
 
 

@@ -220,7 +220,7 @@ def installed(built):
     workdir = root / "cwd"
     workdir.mkdir()
     result_path = root / "result.json"
-    run([python, "-c", (TESTS / "installed_wheel_worker.py").read_text(), result_path,
+    run([python, "-c", (TESTS / "workers" / "installed_wheel_worker.py").read_text(), result_path,
          json.dumps(inputs)], cwd=workdir)
     result = json.loads(result_path.read_text())
     result.update(venv=str(venv), site=str(site), workdir=str(workdir), inputs=inputs)

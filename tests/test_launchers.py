@@ -63,7 +63,8 @@ def with_torch_experts_in_moe_layers(structure):
     return structure
 
 
-@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+@pytest.mark.parametrize("impl", ["local",
+                                  pytest.param("transformer_engine", marks=pytest.mark.te)])
 def test_gpt_spec_without_the_backend_field_is_megatrons_block_with_torch_experts(megatron_cpu,
                                                                                   impl):
     config = plain_config(transformer_impl=impl)
@@ -248,7 +249,7 @@ def megatron_lm(tmp_path_factory):
     if not _has_megatron_lm_gpt_builder():
         pytest.skip("megatron.training has no GPTModelBuilder (it ships with megatron-core 0.19)")
     # The worker runs its tiny models on the CPU (gloo), on a CUDA host too.
-    return run_worker(Path(__file__).with_name("megatron_lm_worker.py"),
+    return run_worker(Path(__file__).parent / "workers" / "megatron_lm_worker.py",
                       tmp_path_factory.mktemp("megatron_lm"), hide_gpus=True)
 
 
@@ -279,7 +280,7 @@ def bridge_run(tmp_path_factory):
             importlib.util.find_spec("transformers") is None:
         pytest.skip("needs megatron-bridge and transformers (the Python 3.12 / megatron-core "
                     "0.19 leg)")
-    return run_worker(Path(__file__).with_name("bridge_launcher_worker.py"),
+    return run_worker(Path(__file__).parent / "workers" / "bridge_launcher_worker.py",
                       tmp_path_factory.mktemp("bridge_launcher"), hide_gpus=True)
 
 
@@ -341,6 +342,8 @@ def test_nemo_rl_extension_worker_gives_its_import_the_spec(bridge_run):
     assert bridge_run["nemo_rl_import_experts"] == ["TorchGroupedMLP", "TorchGroupedMLP"]
     # The provider NeMo-RL rebuilds from run_config.yaml (the extension allowed the prefix).
     assert bridge_run["nemo_rl_provider_spec"] == "torch_experts_gpt_spec"
+    # examples/nemo_rl_worker.py names the package's class and function.
+    assert bridge_run["nemo_rl_example_reexports"]
 
 
 @pytest.mark.parametrize("fmt", ["megatron_bridge", "megatron_lm"])
@@ -380,6 +383,7 @@ def test_bridge_peft_snippet_wraps_the_experts_per_expert(bridge_run):
     assert bridge_run["doc_peft_expert_adapter"] == "GroupedExpertLinearAdapter"
 
 
+@pytest.mark.te
 def test_bridge_mtp_layers_inherit_the_named_spec(megatron_cpu):
     """Bridge's GPT provider derives its MTP block from the last layer of the named spec; it
     builds that block with Transformer Engine modules, so this runs where TE is installed."""
@@ -398,6 +402,7 @@ def test_bridge_mtp_layers_inherit_the_named_spec(megatron_cpu):
     assert _compat.spec_class(_compat.moe_submodules(mlp).experts) is TorchGroupedMLP
 
 
+@pytest.mark.te
 def test_bridge_hybrid_provider_trains_bridge_lora_on_cuda(megatron_world, monkeypatch):
     """A Bridge HybridModelProvider (attention and MoE layers) naming the hybrid entry point
     builds TorchGroupedMLP experts with Megatron's TE hybrid stack and trains Bridge's LoRA on

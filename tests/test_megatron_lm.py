@@ -5,7 +5,7 @@ The script, `gpt_builders.py` and `model_provider.py` are Megatron-LM's, unchang
 `pretrain()` runs whole: argument parsing, config, model build from our `--spec`, DDP, Megatron's
 optimizer, mock data, training steps, torch_dist checkpoints. The documented flags go after a
 tiny model's, plus what a CPU-only host needs (local modules, CPU initialisation, no fusions,
-gloo); tests/megatron_lm_cpu_launch.py applies the CPU patch table. Nothing freezes the experts
+gloo); tests/workers/megatron_lm_cpu_launch.py applies the CPU patch table. Nothing freezes the experts
 but the module itself.
 
 The control: the same command without `--moe-grouped-gemm` and `--spec` (Megatron's own
@@ -76,7 +76,7 @@ def pretrain_gpt(workdir: Path, *args: str) -> str:
                                          env.get("PYTHONPATH", "")])
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
                "--master-port", str(_free_port()),
-               str(Path(__file__).with_name("megatron_lm_cpu_launch.py")),
+               str(Path(__file__).parent / "workers" / "megatron_lm_cpu_launch.py"),
                str(scripts_folder() / "pretrain_gpt.py"), *MODEL_ARGS, *CPU_ARGS, *RUN_ARGS, *args]
     run = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True,
                          timeout=600)

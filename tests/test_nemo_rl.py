@@ -1,11 +1,12 @@
 """NeMo-RL's own Megatron policy worker (main at 7ea279ab, megatron-core 0.20.0, megatron-bridge
-0.7.0) with the worker extension of examples/nemo_rl_worker.py, on the CPU: the extension's
-`__init__` (`enable_torch_experts`, then `MegatronPolicyWorkerImpl.__init__`'s setup), then the
-worker's `get_logprobs` and one `train` step, with the docs' PEFT block and without PEFT
-(nemo_rl_worker_run.py, in its own process). References: transformers' forward of the same
-checkpoint, and the parameters before the step. With PEFT, the worker's own `save_checkpoint`
-after the step, then a fresh worker in a new process resuming from it as NeMo-RL resumes a run
-(its `weights_path` and `optimizer_path`), against the trained worker and the HF checkpoint.
+0.7.0) with the worker extension of mcore_torch_experts.integrations.nemo_rl, on the CPU: the
+extension's `__init__` (`enable_torch_experts`, then `MegatronPolicyWorkerImpl.__init__`'s
+setup), then the worker's `get_logprobs` and one `train` step, with the docs' PEFT block and
+without PEFT (nemo_rl_worker_run.py, in its own process). References: transformers' forward of
+the same checkpoint, and the parameters before the step. With PEFT, the worker's own
+`save_checkpoint` after the step, then a fresh worker in a new process resuming from it as
+NeMo-RL resumes a run (its `weights_path` and `optimizer_path`), against the trained worker and
+the HF checkpoint.
 Skipped, with the reason, where NeMo-RL's stack is not installed (every leg but 0.20.0;
 scripts/legs.sh installs it there).
 """
@@ -20,7 +21,7 @@ import pytest
 
 from bridge_support import run_worker
 
-WORKER = Path(__file__).with_name("nemo_rl_worker_run.py")
+WORKER = Path(__file__).parent / "workers" / "nemo_rl_worker_run.py"
 
 
 def nemo_rl_folder() -> Path:

@@ -1,7 +1,9 @@
 """The package's shape: no import circle between its modules (function-level imports included),
 the experts module imports no optional integration, directly or through other modules, the
 kernels wing imports nothing of the package outside it but the package's error type, only the
-package's __init__ imports the integrations wing, and nothing imports the testing wing."""
+package's __init__ imports the integrations wing (and nothing imports its NeMo-RL module), only
+that module imports NeMo-RL and Ray (and the testing wing, which patches them), and nothing
+imports the testing wing."""
 
 import ast
 from pathlib import Path
@@ -83,7 +85,7 @@ def test_no_import_circle_between_package_modules():
 def test_experts_module_imports_no_integration():
     """Nor does any package module that experts.py imports, however far down."""
     integrations = {"integrations", "integrations.automodel", "integrations.bridge",
-                    "integrations.bridge_adapters", "lora",
+                    "integrations.bridge_adapters", "integrations.nemo_rl", "lora",
                     "convert", "upcycling"}
     graph = package_imports()
     reached, todo = set(), ["experts"]
@@ -107,6 +109,29 @@ def test_only_the_package_init_imports_the_integrations():
     assert {"integrations.bridge", "integrations.automodel"} <= wing
     importers = {m for m, imported in graph.items() if imported & wing and m not in wing}
     assert importers == {"__init__"}, importers
+    # NeMo-RL is optional: its worker extension is imported by name (NeMo-RL's worker builder),
+    # never by the package, its __init__ included.
+    assert "integrations.nemo_rl" in wing
+    assert {m for m, imported in graph.items() if "integrations.nemo_rl" in imported} == set()
+
+
+def outside_imports(path: Path) -> set:
+    """The top-level names of the absolute imports in a source file, anywhere in it."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_only_the_nemo_rl_integration_imports_nemo_rl():
+    """NeMo-RL (and the Ray it runs its workers in) is optional: one module imports it, besides
+    the testing wing's CPU patch table (`nemo_rl_patches` patches NeMo-RL's own functions)."""
+    importers = {module_name(path) for path in PACKAGE.rglob("*.py")
+                 if outside_imports(path) & {"nemo_rl", "ray"}}
+    assert importers - {"testing.cpu_support"} == {"integrations.nemo_rl"}, importers
 
 
 def test_the_kernels_wing_imports_only_itself_and_the_error_type():

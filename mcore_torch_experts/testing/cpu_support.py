@@ -279,16 +279,14 @@ def megatron_lm_patches() -> list:
 
 
 
-def megatron_bridge_patches() -> list:
-    """[Patch]: what Megatron-Bridge's `pretrain()` and `finetune()` (megatron.bridge.training)
-    need, beyond `megatron_lm_patches()` (applied after them) and `megatron_patches(on_cpu=True)`,
-    to run on a CPU-only host with the gloo backend, after `import_megatron_bridge_training()`;
-    tensors they ask for on CUDA come from `CudaTensorsOnTheCpu`. Nothing here touches this
-    package or changes what a model computes."""
+def _bridge_setup_patches(*get_model_also_in) -> list:
+    """[Patch]: the CPU-host patches Megatron-Bridge's model setup and `initialize_megatron` need,
+    under its `pretrain()` and `finetune()` (`megatron_bridge_patches`) and under NeMo-RL's
+    Megatron worker (`nemo_rl_patches`) alike: Bridge's `get_model` (and the same name in the
+    modules of `get_model_also_in`, which import it themselves) building on the CPU, and Bridge's
+    copies of Megatron-LM's setup steps that need CUDA or a Megatron-LM checkout as no-ops."""
     import megatron.bridge.training.initialize as bridge_initialize
     from megatron.bridge.models import model_provider
-    from megatron.core import tensor_parallel
-    from megatron.core.tensor_parallel import random
 
     get_model = model_provider.get_model
 
@@ -297,10 +295,34 @@ def megatron_bridge_patches() -> list:
 
     no_op = lambda *args, **kwargs: None  # noqa: E731
     return [
-        Patch(model_provider, "get_model", get_model_on_the_cpu,
-              "Bridge's training setup builds the model on the current CUDA device (its "
-              "`get_model` resets `use_cpu_initialization` to False); here it is built on the "
-              "CPU, as `get_model(use_cpu_initialization=True)` builds it"),
+        *(Patch(module, "get_model", get_model_on_the_cpu,
+                "Bridge's `get_model` sets the provider's `use_cpu_initialization` from its "
+                "argument (False when not given), which neither Bridge's training setup, nor its "
+                "provide_distributed_model (NeMo-RL's HF import), nor NeMo-RL's model setup "
+                "passes, so the model would be built on the current CUDA device; on a CPU host "
+                "it is built on the CPU, as `get_model(use_cpu_initialization=True)` builds it "
+                "(Megatron's flag for it, which also admits FP32 weights)")
+          for module in (model_provider, *get_model_also_in)),
+        Patch(bridge_initialize, "compile_helpers", no_op,
+              "as megatron_lm_patches' `compile_helpers`, for Bridge's initialize_megatron, "
+              "which imports the name itself"),
+        Patch(bridge_initialize, "_warmup_jit_function", no_op,
+              "as megatron_lm_patches' `_warmup_jit_function`, for Bridge's copy of Megatron-LM's "
+              "JIT warm-up on CUDA tensors (the fusions are off on the CPU)"),
+    ]
+
+
+def megatron_bridge_patches() -> list:
+    """[Patch]: what Megatron-Bridge's `pretrain()` and `finetune()` (megatron.bridge.training)
+    need, beyond `megatron_lm_patches()` (applied after them) and `megatron_patches(on_cpu=True)`,
+    to run on a CPU-only host with the gloo backend, after `import_megatron_bridge_training()`;
+    tensors they ask for on CUDA come from `CudaTensorsOnTheCpu`. Nothing here touches this
+    package or changes what a model computes."""
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import random
+
+    return [
+        *_bridge_setup_patches(),
         Patch(tensor_parallel, "model_parallel_cuda_manual_seed",
               random.model_parallel_cuda_manual_seed,
               "megatron_lm_patches' no-op seeding undone: Bridge's checkpoints save the RNG "
@@ -308,11 +330,6 @@ def megatron_bridge_patches() -> list:
               "`raise KeyError`, then sys.exit); Megatron's own seeding runs, its CUDA generator "
               "read as the CPU one (megatron_lm_patches' `get_rng_state`), `torch.cuda."
               "manual_seed` queued by torch (lazy without a device)"),
-        Patch(bridge_initialize, "compile_helpers", no_op,
-              "as megatron_lm_patches' `compile_helpers` (Bridge imports the name itself)"),
-        Patch(bridge_initialize, "_warmup_jit_function", no_op,
-              "Bridge's copy of Megatron-LM's JIT warm-up on CUDA tensors (the fusions are off "
-              "on the CPU)"),
     ]
 
 
@@ -323,11 +340,9 @@ def nemo_rl_patches() -> list:
     to run in this process on a CPU-only host, outside a Ray actor; tensors it asks for on CUDA
     come from `CudaTensorsOnTheCpu`. Nothing here touches this package or changes what a model
     computes."""
-    import megatron.bridge.training.initialize as bridge_initialize
     import nemo_rl.models.megatron.setup as nemo_rl_setup
     import ray
     from megatron.bridge import AutoBridge
-    from megatron.bridge.models import model_provider
     from megatron.core.tensor_parallel import random
 
     init_process_group = torch.distributed.init_process_group
@@ -338,11 +353,6 @@ def nemo_rl_patches() -> list:
         provider.transformer_impl = "local"
         provider.moe_permute_fusion = False
         return provider
-
-    get_model = model_provider.get_model
-
-    def get_model_on_the_cpu(*args, **kwargs):
-        return get_model(*args, **{**kwargs, "use_cpu_initialization": True})
 
     current_device = torch.cuda.current_device
 
@@ -364,17 +374,7 @@ def nemo_rl_patches() -> list:
               "import takes only the parallelism from megatron_cfg, so its `transformer_impl: "
               "local` and `moe_permute_fusion: false` reach the rebuilt provider but not this "
               "one: it gets them here"),
-        *(Patch(module, "get_model", get_model_on_the_cpu,
-                "Bridge's get_model sets the provider's `use_cpu_initialization` from its "
-                "argument, which neither Bridge's provide_distributed_model (NeMo-RL's HF "
-                "import) nor NeMo-RL's model setup passes: on a CPU host the weights are made "
-                "on the CPU (Megatron's flag for it, which also admits FP32 weights)")
-          for module in (model_provider, nemo_rl_setup)),
-        Patch(bridge_initialize, "compile_helpers", lambda: None,
-              "as megatron_lm_patches' `compile_helpers`, for Bridge's initialize_megatron, which "
-              "imports it by name"),
-        Patch(bridge_initialize, "_warmup_jit_function", lambda *args, **kwargs: None,
-              "as megatron_lm_patches' `_warmup_jit_function`, for Bridge's copy of it"),
+        *_bridge_setup_patches(nemo_rl_setup),  # NeMo-RL's model setup imports get_model
         Patch(random.CudaRNGStatesTracker, "fork",
               lambda *args, **kwargs: contextlib.nullcontext(),
               "as megatron_patches' `fork`, on every tracker: NeMo-RL's HF import drops "

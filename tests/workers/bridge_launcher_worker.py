@@ -7,7 +7,7 @@ steps, the adapters merged, the provider written as Bridge's run_config.yaml and
 the way Bridge's `load_model_config` and NeMo-RL do (`instantiate`), the weights through a
 torch_dist checkpoint. Writes what it measured as JSON to argv[2].
 
-    python tests/bridge_launcher_worker.py OUT_DIR RESULT_JSON
+    python tests/workers/bridge_launcher_worker.py OUT_DIR RESULT_JSON
 """
 
 import json
@@ -178,8 +178,12 @@ def plain_attribute(provider, out: Path) -> dict:
 
 
 def load_nemo_rl_extension():
-    """examples/nemo_rl_worker.py, imported where NeMo-RL and Ray are not installed: stand-ins for
-    the three names it imports exist only during its import (its worker class is not run)."""
+    """mcore_torch_experts.integrations.nemo_rl, imported where NeMo-RL and Ray are not installed:
+    stand-ins for the three names it imports exist only during its import (its worker class is
+    not run), and the module, bound to them, is taken out of sys.modules afterwards. Also
+    returns whether examples/nemo_rl_worker.py, imported under the same stand-ins, re-exports
+    the module's class and function."""
+    import importlib
     import importlib.util
     import types
 
@@ -195,17 +199,22 @@ def load_nemo_rl_extension():
                  "nemo_rl.models.policy.utils": utils,
                  "nemo_rl.models.policy.workers": types.ModuleType("nemo_rl.models.policy.workers"),
                  "nemo_rl.models.policy.workers.megatron_policy_worker": workers}
-    assert not set(stand_ins) & set(sys.modules)
+    name = "mcore_torch_experts.integrations.nemo_rl"
+    assert not (set(stand_ins) | {name}) & set(sys.modules)
     sys.modules.update(stand_ins)
     try:
-        path = Path(__file__).parents[1] / "examples" / "nemo_rl_worker.py"
+        module = importlib.import_module(name)
+        path = Path(__file__).parents[2] / "examples" / "nemo_rl_worker.py"
         spec = importlib.util.spec_from_file_location("nemo_rl_worker", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        example = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(example)
     finally:
-        for name in stand_ins:
-            del sys.modules[name]
-    return module
+        for stood_in in [*stand_ins, name]:
+            sys.modules.pop(stood_in, None)
+        vars(sys.modules["mcore_torch_experts.integrations"]).pop("nemo_rl", None)
+    reexported = all(getattr(example, name) is getattr(module, name)
+                     for name in ("TorchExpertsMegatronPolicyWorker", "enable_torch_experts"))
+    return module, reexported
 
 
 def nemo_rl_calls(out: Path) -> dict:
@@ -225,9 +234,9 @@ def nemo_rl_calls(out: Path) -> dict:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     megatron_cfg = yaml.safe_load(snippet("nemo-rl-config"))["policy"]["megatron_cfg"]
-    extension = load_nemo_rl_extension()
+    extension, reexported = load_nemo_rl_extension()
     worker = types.SimpleNamespace()
-    result = {"nemo_rl_refusals": {}}
+    result = {"nemo_rl_refusals": {}, "nemo_rl_example_reexports": reexported}
     for fmt in ("megatron_bridge", "megatron_lm"):  # NeMo-RL skips the HF import for them
         refused = types.SimpleNamespace()
         try:
@@ -371,8 +380,8 @@ def main(out: Path, result_path: Path) -> None:
         result["reload_without_prefix"] = None
     except Exception as error:  # Bridge's InstantiationException
         result["reload_without_prefix"] = f"{type(error).__name__}: {error}"
-    # NeMo-RL's calls, on a worker prepared by examples/nemo_rl_worker.py, which registers the
-    # package's prefix in this process (nothing else has yet).
+    # NeMo-RL's calls, on a worker prepared by mcore_torch_experts.integrations.nemo_rl, which
+    # registers the package's prefix in this process (nothing else has yet).
     result.update(nemo_rl_calls(out))
     run_snippet("bridge-reload")
     reloaded_provider = read_provider(run_config)

@@ -15,7 +15,7 @@ patch table (mcore_torch_experts.testing.cpu_support: `megatron_patches`, `megat
 `megatron_bridge_patches`) is applied and tensors asked for on CUDA are made on the CPU. Writes
 each phase's losses, learning rates and what the model trains as JSON to argv[2].
 
-    torchrun --nproc-per-node 1 tests/bridge_finetune_worker.py OUT_DIR RESULT_JSON
+    torchrun --nproc-per-node 1 tests/workers/bridge_finetune_worker.py OUT_DIR RESULT_JSON
 """
 
 import json

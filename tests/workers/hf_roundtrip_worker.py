@@ -3,7 +3,7 @@ stand-in, see mcore_torch_experts.testing.bridge_imports.import_megatron_bridge,
 imports a tiny HF Qwen3-MoE checkpoint with Megatron-Bridge into TorchGroupedMLP experts, exports
 it, trains and merges adapters, and writes what it measured as JSON to argv[2].
 
-    python tests/hf_roundtrip_worker.py OUT_DIR RESULT_JSON
+    python tests/workers/hf_roundtrip_worker.py OUT_DIR RESULT_JSON
 """
 
 import json

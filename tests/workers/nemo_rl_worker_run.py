@@ -1,7 +1,7 @@
 """Run by test_nemo_rl.py in its own process, NeMo-RL (its folder, see scripts/legs.sh) first on
 PYTHONPATH: the worker extension's class, `TorchExpertsMegatronPolicyWorker` of
-examples/nemo_rl_worker.py, built as its Ray actor would build it, but in this process: its
-`__init__` (`enable_torch_experts`, then NeMo-RL's `MegatronPolicyWorkerImpl.__init__`:
+mcore_torch_experts.integrations.nemo_rl, built as its Ray actor would build it, but in this
+process: its `__init__` (`enable_torch_experts`, then NeMo-RL's `MegatronPolicyWorkerImpl.__init__`:
 setup_distributed, validate_model_paths, handle_model_import -> import_model_from_hf_name,
 validate_and_set_config, setup_model_and_optimizer, setup_reference_model_state,
 finalize_megatron_setup), then the worker's `get_logprobs` and one `train` step (NeMo-RL's
@@ -13,9 +13,10 @@ process on the same OUT_DIR, builds a fresh worker from that checkpoint as a res
 does (`CheckpointManager.get_resume_paths`, the constructor's `weights_path` and
 `optimizer_path`) and compares it with what the training process kept.
 
-    python tests/nemo_rl_worker_run.py OUT_DIR RESULT_JSON PEFT(0|1) [train|reload]
+    python tests/workers/nemo_rl_worker_run.py OUT_DIR RESULT_JSON PEFT(0|1) [train|reload]
 
-Writes what it measured as JSON to RESULT_JSON.
+(with NeMo-RL's folder, the repository, tests/ and examples/ on PYTHONPATH). Writes what it
+measured as JSON to RESULT_JSON.
 """
 
 import copy
@@ -89,13 +90,10 @@ def make_tokenizer(path: Path) -> None:
 
 
 def load_extension():
-    path = Path(__file__).parents[1] / "examples" / "nemo_rl_worker.py"
-    import importlib.util
+    """The worker extension's module, the package's NeMo-RL integration."""
+    from mcore_torch_experts.integrations import nemo_rl
 
-    spec = importlib.util.spec_from_file_location("nemo_rl_worker", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return nemo_rl
 
 
 def batch(tokens: torch.Tensor):

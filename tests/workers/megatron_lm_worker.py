@@ -5,7 +5,7 @@ builder), with the flags of docs/enable.md (`--spec mcore_torch_experts.specs
 torch_experts_gpt_spec`); and the documented `pretrain_hybrid.py` change, up to the stack spec.
 Writes what it measured as JSON to argv[2].
 
-    python tests/megatron_lm_worker.py OUT_DIR RESULT_JSON
+    python tests/workers/megatron_lm_worker.py OUT_DIR RESULT_JSON
 """
 
 import dataclasses

@@ -4,7 +4,7 @@ applied, then the script runs as `__main__` with the arguments given, CUDA tenso
 CPU. Started by torchrun from tests/test_megatron_lm.py, with the script's folder on PYTHONPATH
 (where `python pretrain_gpt.py` would find its sibling modules):
 
-    torchrun --nproc-per-node 1 tests/megatron_lm_cpu_launch.py SCRIPT [ARGS...]
+    torchrun --nproc-per-node 1 tests/workers/megatron_lm_cpu_launch.py SCRIPT [ARGS...]
 """
 
 import runpy

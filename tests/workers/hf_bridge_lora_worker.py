@@ -18,7 +18,7 @@ live:
 - folded into the weights by `merge_bridge_lora`, then exported.
 Writes what it measured (or the error each step raised) as JSON to argv[2].
 
-    python tests/hf_bridge_lora_worker.py OUT_DIR RESULT_JSON
+    python tests/workers/hf_bridge_lora_worker.py OUT_DIR RESULT_JSON
 """
 
 import dataclasses
