@@ -189,6 +189,12 @@ def build_arm(name, problem, compile_mode):
         raise RuntimeError("not available: quack-kernels needs a CUDA GPU (sm90 or newer)")
     if version("quack-kernels") == "not installed":
         raise RuntimeError("not installed: quack-kernels (pip install quack-kernels)")
+    try:
+        import quack.gemm_interface  # noqa: F401 - its CuTe DSL frontend comes with nvidia-cutlass-dsl
+    except ImportError as exc:
+        raise RuntimeError(f"not available: quack-kernels {version('quack-kernels')} does not "
+                           f"import with nvidia-cutlass-dsl {version('nvidia-cutlass-dsl')}: "
+                           f"{exc}") from exc
     if (problem.shape.activation, problem.glu) not in QUACK_ACT:
         raise RuntimeError(f"not available: no quack activation for {problem.shape.activation}")
     return quack_arm(problem, gather=name == QUACK_GATHER)
