@@ -202,6 +202,7 @@ def test_triton_backend_matches_shipped_bitwise_in_fp32(combine_calls):
     assert combine_calls == [dict(chunk_rows=None, backend="triton")]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_triton_backend_on_cuda_matches_fp64_and_reproduces(combine_calls):
     """Compiled, in BF16 as trained: output and every gradient within BF16 rounding of the FP64

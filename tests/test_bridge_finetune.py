@@ -26,6 +26,8 @@ import pytest
 
 from te_support import HAVE_TE
 
+pytestmark = pytest.mark.bridge
+
 WORKER = Path(__file__).parent / "workers" / "bridge_finetune_worker.py"
 TRAINING_IMPORTS = ("datasets", "modelopt", "megatron.energon", "tensorboard")
 

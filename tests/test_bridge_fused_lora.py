@@ -14,6 +14,8 @@ from mcore_torch_experts.kernels.choice import KernelChoice
 from reference import fp64_experts, rel_err
 from reference import make_config as _make_config
 
+pytestmark = pytest.mark.bridge
+
 LAYOUTS = {"shared": {}, "per_expert": dict(share_expert_adapters=False)}
 SPLITS = [13, 0, 35, 8]  # a zero-token expert
 HIDDEN, FFN, RANK, ALPHA = 64, 32, 8, 16.0  # 16-byte rows for Bridge's grouped path too

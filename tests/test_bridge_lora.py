@@ -20,6 +20,8 @@ from mcore_torch_experts.specs import get_gpt_decoder_block_spec
 from reference import make_config, rel_err
 from tiny_gpt import SEQ, VOCAB, fp32_moe_config, lm_batch, sequential_to_grouped
 
+pytestmark = pytest.mark.bridge
+
 TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 LAYOUTS = {  # Bridge LoRA arguments of each expert-adapter layout
     "shared": {},
@@ -169,6 +171,7 @@ def test_each_layout_matches_the_fp64_per_expert_loop(bridge, megatron_cpu, layo
     assert out.shape == (sum(SPLITS[splits_name]), 64)
 
 
+@pytest.mark.gpu
 @CUDA
 @pytest.mark.parametrize("splits_name", list(SPLITS))
 @pytest.mark.parametrize("layout", list(CUDA_LAYOUTS))
@@ -386,7 +389,7 @@ def test_shared_outer_checkpoint_is_bridge_s_own_limit(bridge, megatron_cpu_trai
 @pytest.mark.parametrize("dtype,device", [  # TorchGroupedMLP runs BF16 only on CUDA
     pytest.param(torch.float32, "cpu", id="fp32-cpu"),
     pytest.param(torch.bfloat16, "cpu", id="bf16-cpu"),
-    pytest.param(torch.bfloat16, "cuda", id="bf16-cuda", marks=CUDA)])
+    pytest.param(torch.bfloat16, "cuda", id="bf16-cuda", marks=[pytest.mark.gpu, CUDA])])
 @pytest.mark.parametrize("layout", ["shared", "per_expert", "shared_outer"])
 def test_merge_folds_expert_adapters_into_the_packed_weights(bridge, megatron_world, layout, dtype,
                                                              device):
@@ -808,6 +811,7 @@ def test_a_setting_grouped_gemm_cannot_take_runs_bridge_s_forward_and_says_so_on
     assert rel_err(out, ref) < (BF16_TOL if dtype == torch.bfloat16 else 1e-5)
 
 
+@pytest.mark.gpu
 @CUDA
 def test_per_expert_adapters_on_cuda_sync_free_bitwise_and_as_bridge_s_grouped_path(
         bridge, megatron_world, bridge_per_expert_forward):

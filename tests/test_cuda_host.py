@@ -21,6 +21,7 @@ FIRST_HIT = [
 ]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="a CUDA host only: on a CPU-only host no model can move to a GPU")
 @pytest.mark.parametrize("test", FIRST_HIT, ids=lambda t: t.split("::")[1])

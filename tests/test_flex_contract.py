@@ -424,6 +424,7 @@ def te_grouped_mlp_with_weights_of(experts, pg):
 
 
 @needs_0_19
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("backend", ["deepep", "deepep_fp64_probs", "hybridep", "ncclep"])
 def test_flex_contract_on_cuda(te_world, backend):

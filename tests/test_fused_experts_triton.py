@@ -249,8 +249,8 @@ def test_forced_fused_gemm_takes_our_adapters(megatron_cpu, kind):
         experts(torch.randn(8, config.hidden_size).bfloat16(), [2, 2, 2, 2], torch.rand(8))
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="the fused kernels run on CUDA"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the fused kernels run on CUDA")])])
 @pytest.mark.parametrize("hook", list(HOOKS))
 def test_auto_calls_every_hook_of_the_linears(megatron_cpu, hook, device):
     """Under "auto" (fused_gemm on sm90 for squared ReLU, grouped_mm on the CPU) a linear with

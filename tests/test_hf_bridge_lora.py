@@ -17,10 +17,10 @@ import pytest
 
 from bridge_support import run_worker
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.bridge, pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None
     or importlib.util.find_spec("megatron.bridge") is None,
-    reason="needs megatron-bridge and transformers (the Python 3.12 / megatron-core 0.19 leg)")
+    reason="needs megatron-bridge and transformers (the Python 3.12 / megatron-core 0.19 leg)")]
 needs_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None,
                                 reason="needs the peft library to load the HF PEFT adapter")
 

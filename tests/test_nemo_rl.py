@@ -21,6 +21,8 @@ import pytest
 
 from bridge_support import run_worker
 
+pytestmark = pytest.mark.bridge
+
 WORKER = Path(__file__).parent / "workers" / "nemo_rl_worker_run.py"
 
 

@@ -313,6 +313,7 @@ def test_data_replacement_survives_a_cast_or_move_before_the_next_forward(
     assert_matches_fp64(config, experts(x, SPLITS, probs)[0], expected, fc2, x, probs)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device")
 @pytest.mark.parametrize("cast", ["cuda", "float"])
 @pytest.mark.parametrize("how", ["new_parameter_on_cuda", "data"])
