@@ -60,19 +60,8 @@ def config(phase: str, out: Path, iters: int, expert_adapters: str):
     import torch.nn.functional as F
     from megatron.bridge.models.gpt_provider import GPTModelProvider
     from megatron.bridge.peft.lora import LoRA
-    from megatron.bridge.training.config import (
-        CheckpointConfig,
-        ConfigContainer,
-        DistributedDataParallelConfig,
-        LoggerConfig,
-        MockGPTDatasetConfig,
-        OptimizerConfig,
-        RNGConfig,
-        SchedulerConfig,
-        TokenizerConfig,
-        TrainingConfig,
-        ValidationConfig,
-    )
+
+    from mcore_torch_experts.testing.bridge_finetune import Phase, Schedule, finetune_config
 
     experts, train_iters, load, save = PHASES[phase]
     train_iters = {None: iters, "half": iters // 2}.get(train_iters, train_iters)
@@ -83,38 +72,13 @@ def config(phase: str, out: Path, iters: int, expert_adapters: str):
         provider.transformer_layer_spec = torch_experts_gpt_spec
         provider.moe_grouped_gemm = True
     finetuning = phase != "pretrain"
-    cfg = ConfigContainer(
-        model=provider,
-        train=TrainingConfig(train_iters=train_iters, global_batch_size=SEQUENCES,
-                             micro_batch_size=MICRO_BATCH),
-        validation=ValidationConfig(eval_interval=10_000, eval_iters=0),
-        optimizer=OptimizerConfig(optimizer="adam", lr=1e-4 if finetuning else 1e-5,
-                                  min_lr=1e-6, weight_decay=0.01, clip_grad=1.0, adam_beta1=0.9,
-                                  adam_beta2=0.95, adam_eps=1e-8, use_distributed_optimizer=True),
-        scheduler=SchedulerConfig(lr_decay_style="cosine", lr_warmup_iters=2 if finetuning else 0,
-                                  lr_warmup_init=0.0, lr_decay_iters=iters,
-                                  start_weight_decay=0.01, end_weight_decay=0.01,
-                                  weight_decay_incr_style="constant",
-                                  use_checkpoint_opt_param_scheduler=load is not None),
-        ddp=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True),
-        dataset=MockGPTDatasetConfig(random_seed=1234, reset_attention_mask=False,
-                                     reset_position_ids=False, eod_mask_loss=False,
-                                     seq_length=SLICE["seq_length"], num_dataset_builder_threads=1,
-                                     data_sharding=True, dataloader_type="single", num_workers=1),
-        logger=LoggerConfig(log_interval=1),
-        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=SLICE["vocab_size"]),
-        checkpoint=CheckpointConfig(
-            save_interval=train_iters if save else None, save=str(out / save) if save else None,
-            load=str(out / load) if load else None,
-            pretrained_checkpoint=str(out / "pretrained") if finetuning else None,
-            ckpt_format="torch_dist", fully_parallel_save=True, async_save=False),
-        rng=RNGConfig(seed=1234),
-        mixed_precision="bf16_mixed",
-        peft=LoRA(target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
-                  dim=16, alpha=32, share_expert_adapters=expert_adapters == "shared")
-        if finetuning else None,
-    )
-    return cfg
+    schedule = Schedule(lr=1e-4 if finetuning else 1e-5, min_lr=1e-6, warmup_iters=2,
+                        decay_iters=iters, global_batch_size=SEQUENCES,
+                        micro_batch_size=MICRO_BATCH, distributed_optimizer=True)
+    lora = LoRA(target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+                dim=16, alpha=32, share_expert_adapters=expert_adapters == "shared")
+    return finetune_config(provider, Phase(train_iters, load, save, finetuning), schedule, out,
+                           peft=lora)
 
 
 def worker(phase: str, out: Path, iters: int, expert_adapters: str) -> None:

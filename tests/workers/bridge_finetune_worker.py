@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from mcore_torch_experts.testing.bridge_finetune import Phase, Schedule, finetune_config
 from mcore_torch_experts.testing.bridge_imports import (
     import_megatron_bridge,
     import_megatron_bridge_training,
@@ -68,20 +69,6 @@ def config(phase: str, out: Path):
     import torch.nn.functional as F
     from megatron.bridge.models.gpt_provider import GPTModelProvider, local_layer_spec
     from megatron.bridge.peft.lora import LoRA
-    from megatron.bridge.training.config import (
-        CheckpointConfig,
-        ConfigContainer,
-        DistributedDataParallelConfig,
-        DistributedInitConfig,
-        LoggerConfig,
-        MockGPTDatasetConfig,
-        OptimizerConfig,
-        RNGConfig,
-        SchedulerConfig,
-        TokenizerConfig,
-        TrainingConfig,
-        ValidationConfig,
-    )
 
     experts, train_iters, load, save = PHASES[phase]
     provider = GPTModelProvider(**MODEL, **CPU_MODEL, activation_func=F.silu)
@@ -93,36 +80,12 @@ def config(phase: str, out: Path):
     else:  # Bridge's spec without Transformer Engine: Megatron's SequentialMLP experts
         provider.transformer_layer_spec = local_layer_spec
     finetuning = phase != "pretrain"
-    return ConfigContainer(
-        model=provider,
-        train=TrainingConfig(train_iters=train_iters, global_batch_size=SEQUENCES,
-                             micro_batch_size=MICRO_BATCH),
-        validation=ValidationConfig(eval_interval=10_000, eval_iters=0),
-        optimizer=OptimizerConfig(optimizer="adam", lr=1e-2 if finetuning else 1e-3, min_lr=1e-4,
-                                  weight_decay=0.01, clip_grad=1.0, adam_beta1=0.9,
-                                  adam_beta2=0.95, adam_eps=1e-8, use_distributed_optimizer=False),
-        scheduler=SchedulerConfig(lr_decay_style="cosine", lr_warmup_iters=1 if finetuning else 0,
-                                  lr_warmup_init=0.0, lr_decay_iters=ITERS,
-                                  start_weight_decay=0.01, end_weight_decay=0.01,
-                                  weight_decay_incr_style="constant",
-                                  use_checkpoint_opt_param_scheduler=load is not None),
-        ddp=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False),
-        dataset=MockGPTDatasetConfig(random_seed=1234, reset_attention_mask=False,
-                                     reset_position_ids=False, eod_mask_loss=False,
-                                     seq_length=MODEL["seq_length"], num_dataset_builder_threads=1,
-                                     data_sharding=True, dataloader_type="single", num_workers=1),
-        logger=LoggerConfig(log_interval=1),
-        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=MODEL["vocab_size"]),
-        checkpoint=CheckpointConfig(
-            save_interval=train_iters if save else None, save=str(out / save) if save else None,
-            load=str(out / load) if load else None,
-            pretrained_checkpoint=str(out / "pretrained") if finetuning else None,
-            ckpt_format="torch_dist", fully_parallel_save=True, async_save=False),
-        dist=DistributedInitConfig(distributed_backend="gloo"),
-        rng=RNGConfig(seed=1234),
-        mixed_precision="bf16_mixed",
-        peft=LoRA(target_modules=LORA_TARGETS, dim=8, alpha=16) if finetuning else None,
-    )
+    schedule = Schedule(lr=1e-2 if finetuning else 1e-3, min_lr=1e-4, warmup_iters=1,
+                        decay_iters=ITERS, global_batch_size=SEQUENCES,
+                        micro_batch_size=MICRO_BATCH, distributed_optimizer=False)
+    return finetune_config(provider, Phase(train_iters, load, save, finetuning), schedule, out,
+                           peft=LoRA(target_modules=LORA_TARGETS, dim=8, alpha=16),
+                           distributed_backend="gloo")
 
 
 def run(phase: str, out: Path) -> dict:
