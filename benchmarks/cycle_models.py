@@ -10,8 +10,10 @@ is what runs on the CPU and where TE is absent.
 Arms. Every arm of a slice starts from the same base weights (the same seed and spec): "te" and
 "te-cutlass" keep the TE stack's TEGroupedMLP, run with NVTE_USE_CUTLASS_GROUPED_GEMM=0 and =1
 (TE reads it at each grouped GEMM call, so it is set around each arm's passes only); "torch"
-converts the experts with `convert_experts_to_torch`; "sequential" keeps the local stack's
-SequentialMLP.
+converts the experts with `convert_experts_to_torch`; "torch-fp32-combine" then makes the MoE
+layers FP32CombineMoELayer (`convert_moe_layers_to_fp32_combine`: the FP32 Triton combine, and on
+the allgather dispatcher the experts read the routed rows in place); "sequential" keeps the local
+stack's SequentialMLP. TorchGroupedMLP's kernels: --expert-kernel (`moe_expert_kernel`).
 
 Adapters. Megatron-Bridge's LoRA (the NeMo-RL path; BF16 adapters as Bridge makes them) on
 linear_qkv, linear_proj, linear_fc1, linear_fc2 (shared experts' linears included), expert
@@ -36,9 +38,11 @@ CUTLASS_ENV = "NVTE_USE_CUTLASS_GROUPED_GEMM"
 
 
 ARMS = {"te": "TEGroupedMLP", "te-cutlass": "TEGroupedMLP, CUTLASS grouped GEMM",
-        "torch": "TorchGroupedMLP", "sequential": "SequentialMLP"}
+        "torch": "TorchGroupedMLP", "torch-fp32-combine": "TorchGroupedMLP, FP32CombineMoELayer",
+        "sequential": "SequentialMLP"}
 ARM_ENV = {"te": {CUTLASS_ENV: "0"}, "te-cutlass": {CUTLASS_ENV: "1"}}  # whatever the shell set
 TE_ARMS = ("te", "te-cutlass")
+TORCH_ARMS = ("torch", "torch-fp32-combine")
 EXPERT_ADAPTERS = ("shared", "per_expert")
 
 
@@ -122,6 +126,7 @@ def make_config(model: ModelSlice, layers: int, stack: str, args, device):
         moe_router_enable_expert_bias=model.router == "sigmoid",
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type=args.dispatcher, moe_grouped_gemm=te,
+        moe_expert_kernel=args.expert_kernel,
         moe_permute_fusion=te and args.permute_fusion,
         moe_shared_expert_intermediate_size=model.shared_ffn,
         expert_model_parallel_size=args.ep, gated_linear_unit=model.activation == "swiglu",
@@ -174,11 +179,13 @@ def build_base(model: ModelSlice, layers: int, config, stack: str, args, device)
 def build_arm(arm: str, model: ModelSlice, layers: int, config, stack: str, args, device,
               expert_adapters: str):
     """The model of one arm, adapters on, base frozen."""
-    from mcore_torch_experts import convert_experts_to_torch
+    from mcore_torch_experts import convert_experts_to_torch, convert_moe_layers_to_fp32_combine
 
     built = build_base(model, layers, config, stack, args, device)
-    if arm == "torch":
+    if arm in TORCH_ARMS:
         convert_experts_to_torch(built)
+    if arm == "torch-fp32-combine":
+        convert_moe_layers_to_fp32_combine(built)
     add_adapters(built, args, expert_adapters)
     fill_adapters(built, args.seed)
     return built

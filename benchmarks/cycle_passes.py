@@ -60,6 +60,8 @@ def add_batch_and_adapter_options(parser, micro_batches: int) -> None:
     parser.add_argument("--alpha", type=float, default=32.0)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--expert-kernel", choices=["auto", "fused_gemm", "grouped_mm"],
+                        default="auto", help="TorchGroupedMLP's moe_expert_kernel")
 
 
 # --- the cycle -----------------------------------------------------------------------------------

@@ -60,7 +60,7 @@ def target_lines(rows) -> list:
     ran = {(r["arm"], r["layout"], r["adapters"]): r for r in rows if "note" not in r}
     lines = []
     for (arm, layout, source), ours in ran.items():
-        if arm != "torch":
+        if arm not in cm.TORCH_ARMS:
             continue
         for reference, goal in TARGETS.items():
             other = ran.get((reference, layout, source))

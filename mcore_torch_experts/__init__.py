@@ -15,7 +15,7 @@ from .integrations.bridge import check_bridge_peft, merge_bridge_lora, register_
 from .kernels.grouped_gemm import find_grouped_mm, frozen_grouped_linear, group_offsets
 from .lora import LoRALinear, apply_lora, load_lora_state_dict, lora_parameters, lora_state_dict
 from .model import build_gpt_model, build_moe_layer
-from .moe_layer import FP32CombineMoELayer
+from .moe_layer import FP32CombineMoELayer, convert_moe_layers_to_fp32_combine
 from .recompute import install_frozen_input_guard
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "check_bridge_peft",
     "chunk_rows_from_env",
     "convert_experts_to_torch",
+    "convert_moe_layers_to_fp32_combine",
     "find_grouped_mm",
     "fp32_combine",
     "frozen_grouped_linear",

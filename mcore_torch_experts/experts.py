@@ -43,6 +43,7 @@ from .kernels.choice import (
 )
 from .kernels.grouped_gemm import Splits, find_grouped_mm, frozen_grouped_linear, group_offsets
 from .packing import PackedExpertWeights
+from .routed_tokens import RoutedTokens
 
 ON_BUILD: List[Callable[[], None]] = []
 """Called, without arguments, whenever a TorchGroupedMLP is built: integrations that must know
@@ -157,8 +158,10 @@ class TorchGroupedLinear(PackedExpertWeights):
         weight, offs = self.weight_and_offsets(x, tokens_per_expert)
         return frozen_grouped_linear(x, weight, offs, self._grouped_mm), None
 
-    def weight_and_offsets(self, x: torch.Tensor, tokens_per_expert: Splits):
-        """Check x [T, in] against the weights; (packed weight [E, out, in], offsets int32 [E])."""
+    def weight_and_offsets(self, x: torch.Tensor, tokens_per_expert: Splits,
+                           num_rows: Optional[int] = None):
+        """Check x [T, in] against the weights; (packed weight [E, out, in], offsets int32 [E])
+        of num_rows rows (default T)."""
         weight = self.packed(refuse_trainable=torch.is_grad_enabled())
         if x.dim() != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"{self.name} expects input [T, {self.in_features}], got {list(x.shape)}")
@@ -171,7 +174,8 @@ class TorchGroupedLinear(PackedExpertWeights):
             )
         if x.device != weight.device:
             raise ValueError(f"{self.name}: input on {x.device}, weights on {weight.device}")
-        return weight, group_offsets(tokens_per_expert, self.num_experts, x.shape[0], x.device)
+        rows = x.shape[0] if num_rows is None else num_rows
+        return weight, group_offsets(tokens_per_expert, self.num_experts, rows, x.device)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """One ShardedTensor per expert under the keys TE grouped linears use."""
@@ -239,6 +243,9 @@ class TorchGroupedMLP(MegatronModule):
     the host, or a device tensor, checked without a host sync. Segments are taken as they arrive,
     pre-padded ones too: TEGroupedMLP pads them only for FP8/FP4 (refused here), so
     skip_routed_expert_padding needs no check. The flex dispatcher: docs/scale_out.md.
+    permuted_hidden may instead be RoutedTokens (tokens [tokens, H] and the token of each of the
+    T rows, from FP32CombineMoELayer on the allgather dispatcher): the fused kernels read the
+    rows in place, the other paths gather them.
     """
 
     def __init__(self, num_local_experts: int, config: TransformerConfig, submodules=None,
@@ -311,13 +318,18 @@ class TorchGroupedMLP(MegatronModule):
                 f"TorchGroupedMLP got {' and '.join(given)} (NCCL-EP zero copy): it allocates its "
                 "own outputs, and only TE's op fuser writes into the dispatcher's buffers; set "
                 f"moe_ncclep_zero_copy=False and {_compat.ncclep_dynamic_shape_setting()}.")
-        hidden = permuted_local_hidden_states
+        hidden, routed = permuted_local_hidden_states, None
+        if isinstance(hidden, RoutedTokens):  # FP32CombineMoELayer: the tokens and a row index
+            hidden, routed = hidden.tokens, hidden
         probs = permuted_probs.unsqueeze(-1)
         if self.config.moe_apply_probs_on_input:
+            hidden, routed = (hidden if routed is None else routed.rows()), None
             hidden = (probs * hidden).to(hidden.dtype)
             probs = None
         if self._runs_fused_gemm(hidden):
-            return self._fused_forward(hidden, tokens_per_expert, permuted_probs), None
+            return self._fused_forward(hidden, tokens_per_expert, permuted_probs, routed), None
+        if routed is not None:
+            hidden = routed.rows()
         fc1_out, _ = self.linear_fc1(hidden, tokens_per_expert)
         if self.kernels.activation == ActivationImpl.FUSED and fc1_out.is_cuda:
             from .kernels.activation_triton import fused_activation_probs
@@ -330,8 +342,9 @@ class TorchGroupedMLP(MegatronModule):
         out, _ = self.linear_fc2(act, tokens_per_expert)
         return out, None
 
-    def _fused_forward(self, hidden, tokens_per_expert, permuted_probs):
-        """The fused GEMM path: the packed weights, and the LoRA term of each linear's adapter."""
+    def _fused_forward(self, hidden, tokens_per_expert, permuted_probs, routed=None):
+        """The fused GEMM path: the packed weights, and the LoRA term of each linear's adapter;
+        with `routed`, hidden is its tokens and fc1 reads the rows through its index."""
         from .kernels.fused_experts import LoRATerm, check_lora, fused_experts
 
         bases, terms = [], []
@@ -348,10 +361,11 @@ class TorchGroupedMLP(MegatronModule):
                        base.out_features, hidden.dtype)
             terms.append(term)
         fc1, fc2 = bases
-        w1, offs = fc1.weight_and_offsets(hidden, tokens_per_expert)
+        w1, offs = fc1.weight_and_offsets(hidden, tokens_per_expert,
+                                          None if routed is None else routed.num_rows)
         w2 = fc2.packed(refuse_trainable=torch.is_grad_enabled())
         return fused_experts(self.config, hidden, permuted_probs, w1, w2, offs, fc1._grouped_mm,
-                             *terms)
+                             *terms, routed=routed)
 
     def _runs_fused_gemm(self, hidden: torch.Tensor) -> bool:
         """Whether this call takes the fused GEMM path (kernels.choice.fused_gemm_obstacle); a

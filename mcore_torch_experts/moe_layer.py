@@ -10,7 +10,15 @@ Both the allgather and the alltoall dispatcher sum a token's top-k rows inside
 instance gets a replacement for the method that calls it. The reversed permutation mapping is the
 rows' token ids, or TE's row map under moe_permute_fusion; the allgather dispatcher keeps its
 routing map as `local_map`, the alltoall one as `routing_map`.
+
+With TorchGroupedMLP experts on the allgather dispatcher, the dispatcher makes no permuted copy
+either: it hands the experts RoutedTokens (routed_tokens.py), the gathered tokens and the token
+of each expert-major row, in Megatron's permute order; fc1 reads the rows in place and the
+combine reads fc2's rows in place. The alltoall dispatcher permutes before its all-to-all (each
+rank's rows must be contiguous to be sent), so its experts get the permuted buffer.
 """
+
+from typing import List
 
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -18,6 +26,8 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from . import _compat
 from .combine import CombineOptions, fp32_combine
 from .config import validate_fp32_combine_config
+from .experts import TorchGroupedMLP
+from .routed_tokens import RoutedTokens
 
 
 class FP32CombineMoELayer(MoELayer):
@@ -33,8 +43,14 @@ class FP32CombineMoELayer(MoELayer):
         validate_fp32_combine_config(config)  # before Megatron builds (and checks) its dispatcher
         super().__init__(config, submodules, layer_number=layer_number,
                          pg_collection=pg_collection, **kwargs)
-        self.combine_options = CombineOptions.from_config(config)
+        self._route_combine()
+
+    def _route_combine(self) -> None:
+        """Read the combine settings and route the dispatcher's combine (and, on allgather with
+        TorchGroupedMLP experts, its rows) through this layer."""
+        self.combine_options = CombineOptions.from_config(self.config)
         route_unpermute_through(self.token_dispatcher, self.combine_top_k)
+        hand_tokens_in_place(self)
 
     def combine_top_k(self, permuted: torch.Tensor, token_ids: torch.Tensor,
                       restore_shape) -> torch.Tensor:
@@ -43,6 +59,23 @@ class FP32CombineMoELayer(MoELayer):
                               chunk_rows=self.combine_options.chunk_rows,
                               backend=self.combine_options.backend)
         return summed.to(permuted.dtype)
+
+
+def convert_moe_layers_to_fp32_combine(model: torch.nn.Module) -> List[str]:
+    """Make every MoELayer of an already built `model` (exactly MoELayer, not a subclass) an
+    FP32CombineMoELayer, in place: the same module objects, parameters and state-dict keys, its
+    combine settings read from each layer's config. Every layer's config is checked first
+    (validate_fp32_combine_config), so a refusal leaves the model unchanged. Returns the
+    converted layers' qualified names. For models someone else's provider builds; call it
+    after convert_experts_to_torch to have the experts read their rows in place."""
+    layers = [(name, module) for name, module in model.named_modules()
+              if type(module) is MoELayer]
+    for _, layer in layers:
+        validate_fp32_combine_config(layer.config, "convert_moe_layers_to_fp32_combine")
+    for _, layer in layers:
+        layer.__class__ = FP32CombineMoELayer
+        layer._route_combine()
+    return [name for name, _ in layers]
 
 
 def permuted_token_ids(routing_map: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -61,6 +94,58 @@ def _token_ids(dispatcher, routing_map: torch.Tensor, permuted: torch.Tensor) ->
     if dispatcher.config.moe_permute_fusion:
         return permuted_token_ids(routing_map, permuted.shape[0])
     return dispatcher.reversed_local_input_permutation_mapping
+
+
+def local_routing(routing_map: torch.Tensor, probs: torch.Tensor, local_experts: range):
+    """routing_map [T, E] bool, probs [T, E] -> (tokens_per_expert [E_local] on the host, the
+    token of each row [N], each row's prob [N], local map [T, E_local]): rows grouped by local
+    expert, tokens ascending within each, as Megatron's permute orders them."""
+    local_map = routing_map[:, local_experts.start:local_experts.stop].contiguous()
+    by_expert = local_map.T.contiguous()
+    tokens = torch.arange(local_map.shape[0], device=local_map.device)
+    token_ids = tokens.expand_as(by_expert).masked_select(by_expert)
+    row_probs = probs[:, local_experts.start:local_experts.stop].T.contiguous().masked_select(
+        by_expert)
+    return by_expert.sum(dim=1).long().cpu(), token_ids, row_probs, local_map
+
+
+def hand_tokens_in_place(layer: MoELayer) -> None:
+    """Make the layer's allgather dispatcher hand TorchGroupedMLP experts RoutedTokens instead of
+    a permuted copy, keeping what its permute keeps for the combine (local_map, local_probs, the
+    rows' token ids); other experts modules (checked at each call) get Megatron's permute. The
+    alltoall dispatcher is left as it is."""
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    dispatcher = layer.token_dispatcher
+    if not isinstance(dispatcher, td.MoEAllGatherTokenDispatcher):
+        return
+    permute_copy = dispatcher.dispatch_postprocess
+    combine_permuted = dispatcher.combine_preprocess
+
+    def dispatch_postprocess(hidden_states, probs):
+        dispatcher.rows_in_place = isinstance(layer.experts, TorchGroupedMLP)
+        if not dispatcher.rows_in_place:
+            return permute_copy(hidden_states, probs)
+        first, last = dispatcher.local_expert_indices[0], dispatcher.local_expert_indices[-1]
+        tokens_per_expert, token_ids, row_probs, local_map = local_routing(
+            dispatcher.routing_map, probs, range(first, last + 1))
+        dispatcher.hidden_shape_before_permute = hidden_states.shape
+        dispatcher.local_map, dispatcher.local_probs = local_map, row_probs
+        dispatcher.reversed_local_input_permutation_mapping = token_ids
+        dispatcher.routing_map = None
+        routed = RoutedTokens(hidden_states, token_ids, layer.combine_options)
+        return routed, tokens_per_expert, row_probs
+
+    def combine_preprocess(expert_output):
+        if not dispatcher.rows_in_place:
+            return combine_permuted(expert_output)
+        return layer.combine_top_k(expert_output,
+                                   dispatcher.reversed_local_input_permutation_mapping,
+                                   dispatcher.hidden_shape_before_permute)
+
+    dispatcher.rows_in_place = False
+    dispatcher.dispatch_postprocess = dispatch_postprocess
+    dispatcher.combine_preprocess = combine_preprocess
 
 
 def route_unpermute_through(dispatcher, combine) -> None:

@@ -419,7 +419,7 @@ def test_torch_grouped_mlp_fused_gemm_with_adapters_matches_grouped_mm(megatron_
     calls = []
     real = fused_module.fused_experts
     monkeypatch.setattr(fused_module, "fused_experts",
-                        lambda *args: calls.append(args[7:]) or real(*args))
+                        lambda *args, **kwargs: calls.append(args[7:]) or real(*args, **kwargs))
     adapter_calls = []
     for linear in (experts.linear_fc1, experts.linear_fc2):
         monkeypatch.setattr(linear.adapter, "forward", lambda *a, f=linear.adapter.forward:

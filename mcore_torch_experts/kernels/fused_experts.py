@@ -1,6 +1,8 @@
 """TorchGroupedMLP's forward through the fused expert kernels (fused_experts_triton.py): the
 autograd Functions around the two kernels, saving only what backward needs, and the LoRA term of
 an adapter on either linear (LoRATerm: shared factors or one pair per expert, scale alpha/r).
+With RoutedTokens (routed_tokens.py) as the input, fc1's kernel reads each row through the row
+index and fc1's input gradient is summed per token by `routed.sum_by_token`.
 
 The small `scale * x @ A.T` [T, r] is computed outside the kernels (a grouped GEMM per expert,
 or a plain matmul for shared factors) and fed to fc1's kernel; fc2 forward and fc1's input
@@ -74,9 +76,14 @@ def _factor_grad(left, right, offs, grouped_mm, num_experts: int, per_expert: bo
     return grouped_mm(left.t(), right.contiguous(), offs=offs)
 
 
-def lora_down(x, term: LoRATerm, offs, grouped_mm):
+def lora_down(x, term: LoRATerm, offs, grouped_mm, routed=None):
     """scale * x @ A.T [T, r] (per expert: A[e] for expert e's rows), through autograd (the
-    adapter's A and x get their gradients from it)."""
+    adapter's A and x get their gradients from it). With `routed` (x its tokens): the rows'
+    [N, r], shared factors applied to the tokens before the gather, per-expert ones after."""
+    if routed is not None:
+        if term.per_expert:
+            return lora_down(routed.rows(), term, offs, grouped_mm)
+        return routed.rows(torch.nn.functional.linear(x, term.a) * term.scale)
     if term.per_expert:
         if x.shape[0] == 0:
             return (x @ term.a[0].t()) * term.scale  # [0, r], still connected to A
@@ -85,7 +92,8 @@ def lora_down(x, term: LoRATerm, offs, grouped_mm):
 
 
 class Fc1Activation(torch.autograd.Function):
-    """x [T, H] -> (act(h) [* (up + offset)] * probs [T, F], h [T, F or 2F]) with h = fc1(x),
+    """x [T, H] -> (act(h) [* (up + offset)] * probs [T, F], h [T, F or 2F]) with h = fc1(x)
+    (with `routed`: x the tokens, row i reads x[token_ids[i]], d x summed per token),
     frozen w1 [E, F or 2F, H], plus xa @ lb.T with an adapter (xa = lora_down(x), lb its B).
     The first output carries no gradient back (Fc2AfterActivation hands the gradient of h
     instead); backward is fc1's input gradient, d x = d h @ w1[e], and with an adapter
@@ -94,15 +102,16 @@ class Fc1Activation(torch.autograd.Function):
     xa [T, r] (for d lb), each only when that gradient is wanted."""
 
     @staticmethod
-    def forward(ctx, x, probs, w1, offs, grouped_mm, act, glu, offset, clamp, xa, lb):
+    def forward(ctx, x, probs, w1, offs, grouped_mm, act, glu, offset, clamp, xa, lb, routed):
         ctx.set_materialize_grads(False)
         needs = ctx.needs_input_grad
         ctx.save_for_backward(w1, offs, xa if lb is not None and needs[10] else None,
                               lb if lb is not None and needs[9] else None)
         ctx.per_expert = lb is not None and lb.dim() == 3
-        ctx.grouped_mm = grouped_mm
+        ctx.grouped_mm, ctx.routed = grouped_mm, routed
         inter, h = fc1_activation(x.contiguous(), w1, offs, probs.contiguous(), act, glu, offset,
-                                  clamp, save_h=True, xa=xa, lb=lb)
+                                  clamp, save_h=True, xa=xa, lb=lb,
+                                  token_ids=None if routed is None else routed.token_ids)
         ctx.mark_non_differentiable(inter)
         return inter, h
 
@@ -111,18 +120,22 @@ class Fc1Activation(torch.autograd.Function):
         w1, offs, xa, lb = ctx.saved_tensors
         nothing = (None,) * 8
         if grad_h is None:
-            return (None,) * 11
+            return (None,) * 12
         grad_h = grad_h.contiguous()
-        if grad_h.shape[0] == 0:
-            dx = grad_h.new_zeros(0, w1.shape[2])
-        else:
-            dx = ctx.grouped_mm(grad_h, w1, offs=offs) if ctx.needs_input_grad[0] else None
+        dx = None
+        if ctx.needs_input_grad[0]:
+            if grad_h.shape[0] == 0:
+                dx = grad_h.new_zeros(0, w1.shape[2])
+            else:
+                dx = ctx.grouped_mm(grad_h, w1, offs=offs)
+            if ctx.routed is not None:
+                dx = ctx.routed.sum_by_token(dx)
         dxa = dlb = None
         if lb is not None:  # saved only when xa needs its gradient
             dxa = _rows_times(grad_h, lb, offs, ctx.grouped_mm, transpose=False)
         if xa is not None:  # saved only when lb needs its gradient
             dlb = _factor_grad(grad_h, xa, offs, ctx.grouped_mm, w1.shape[0], ctx.per_expert)
-        return (dx, *nothing, dxa, dlb)
+        return (dx, *nothing, dxa, dlb, None)
 
 
 def fc2_forward(inter, w2, offs, grouped_mm, term=None):
@@ -184,10 +197,12 @@ class Fc2AfterActivation(torch.autograd.Function):
         return None, dh, dprobs, None, None, None, None, None, None, None, dla, dlb, None
 
 
-def fused_experts(config, x, probs, w1, w2, offs, grouped_mm, fc1_lora=None, fc2_lora=None):
+def fused_experts(config, x, probs, w1, w2, offs, grouped_mm, fc1_lora=None, fc2_lora=None,
+                  routed=None):
     """TorchGroupedMLP's forward through the fused kernels: x [T, H], probs [T] -> [T, H].
 
-    fc1_lora / fc2_lora: the LoRATerm of an adapter on linear_fc1 / linear_fc2, or None."""
+    fc1_lora / fc2_lora: the LoRATerm of an adapter on linear_fc1 / linear_fc2, or None.
+    routed: a RoutedTokens whose tokens are x; then probs and the output have its N rows."""
     clamp = config.activation_func_clamp_value if config.gated_linear_unit else None
     args = (KERNEL_ACTIVATIONS[config.activation_func], bool(config.gated_linear_unit),
             float(config.glu_linear_offset), None if clamp is None else float(clamp))
@@ -196,13 +211,14 @@ def fused_experts(config, x, probs, w1, w2, offs, grouped_mm, fc1_lora=None, fc2
     trains = any(t.requires_grad for t in (x, probs, *adapter_tensors))
     if not (torch.is_grad_enabled() and trains):
         with torch.no_grad():
-            xa = None if fc1_lora is None else lora_down(x, fc1_lora, offs, grouped_mm)
+            xa = None if fc1_lora is None else lora_down(x, fc1_lora, offs, grouped_mm, routed)
             inter, _ = fc1_activation(x.contiguous(), w1, offs, probs.contiguous(), *args,
                                       save_h=False, xa=xa,
-                                      lb=None if fc1_lora is None else fc1_lora.b)
+                                      lb=None if fc1_lora is None else fc1_lora.b,
+                                      token_ids=None if routed is None else routed.token_ids)
             return fc2_forward(inter, w2, offs, grouped_mm, fc2_lora)[0]
-    xa = None if fc1_lora is None else lora_down(x, fc1_lora, offs, grouped_mm)
+    xa = None if fc1_lora is None else lora_down(x, fc1_lora, offs, grouped_mm, routed)
     inter, h = Fc1Activation.apply(x, probs, w1, offs, grouped_mm, *args, xa,
-                                   None if fc1_lora is None else fc1_lora.b)
+                                   None if fc1_lora is None else fc1_lora.b, routed)
     la, lb, scale = (None, None, 1.0) if fc2_lora is None else fc2_lora
     return Fc2AfterActivation.apply(inter, h, probs, w2, offs, grouped_mm, *args, la, lb, scale)

@@ -79,17 +79,19 @@ def _find_tile(offs_ptr, num_experts, pid, num_n_tiles, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def _fc1_act_kernel(x_ptr, w_ptr, offs_ptr, p_ptr, h_ptr, out_ptr, xa_ptr, lb_ptr, num_experts,
-                    N, K, R, num_n_tiles, offset, clamp,
+def _fc1_act_kernel(x_ptr, ids_ptr, w_ptr, offs_ptr, p_ptr, h_ptr, out_ptr, xa_ptr, lb_ptr,
+                    num_experts, N, K, R, num_n_tiles, offset, clamp,
                     ACT: tl.constexpr, GLU: tl.constexpr, CLAMP: tl.constexpr,
                     SAVE_H: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
+                    GATHER: tl.constexpr,
                     LORA: tl.constexpr, LORA_PER_EXPERT: tl.constexpr, BLOCK_R: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     E_P2: tl.constexpr):
     """x [T, K], w [E, N or 2N, K] -> out [T, N] = act(h) [* (up + offset)] * p; h [T, N or 2N]
-    (bf16 pre-activation) when SAVE_H. With LORA, h = x @ w[e].T + xa @ lb[e].T: xa [T, R] (the
-    adapter's scale * x @ A.T), lb [E, N or 2N, R] (LORA_PER_EXPERT) or [N or 2N, R], a second,
-    short K loop into the same accumulators."""
+    (bf16 pre-activation) when SAVE_H. With GATHER, row i reads x[ids[i]] (x [tokens, K], ids
+    [T]: the routed rows without a permuted copy). With LORA, h = x @ w[e].T + xa @ lb[e].T: xa
+    [T, R] (the adapter's scale * x @ A.T), lb [E, N or 2N, R] (LORA_PER_EXPERT) or [N or 2N, R],
+    a second, short K loop into the same accumulators."""
     expert, row_start, row_end, n_tile = _find_tile(
         offs_ptr, num_experts, tl.program_id(0), num_n_tiles, BLOCK_M, E_P2)
     if expert >= num_experts:
@@ -100,7 +102,11 @@ def _fc1_act_kernel(x_ptr, w_ptr, offs_ptr, p_ptr, h_ptr, out_ptr, xa_ptr, lb_pt
     cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + rows64[:, None] * K + ks[None, :]
+    if GATHER:
+        x_rows = tl.load(ids_ptr + rows64, mask=row_ok, other=0).to(tl.int64)
+    else:
+        x_rows = rows64
+    a_ptrs = x_ptr + x_rows[:, None] * K + ks[None, :]
     w_e = w_ptr + expert.to(tl.int64) * (N * (2 if GLU else 1)) * K
     b_ptrs = w_e + cols[None, :].to(tl.int64) * K + ks[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -273,14 +279,17 @@ def _grid(rows: int, num_experts: int, tiles: Tiles, width: int):
     return (triton.cdiv(rows, tiles.block_m) + num_experts) * n_tiles, n_tiles
 
 
-def fc1_activation(x, w1, offs, probs, act, glu, offset, clamp, save_h, xa=None, lb=None):
+def fc1_activation(x, w1, offs, probs, act, glu, offset, clamp, save_h, xa=None, lb=None,
+                   token_ids=None):
     """x [T, H], w1 [E, F or 2F, H], offs int32 [E], probs [T] -> (out [T, F], h [T, F or 2F]
     or None). out = act(h) [* (up + offset)] * probs in x's dtype, h = x @ w1[e].T, plus
     xa @ lb.T (or lb[e]) with an adapter: xa [T, r] = scale * x @ A.T (lora_down), lb the
-    adapter's B [F or 2F, r] or [E, F or 2F, r]."""
+    adapter's B [F or 2F, r] or [E, F or 2F, r]. With token_ids [T] (int64), x holds the
+    tokens [tokens, H] and row i reads x[token_ids[i]]."""
     num_experts, width, hidden = w1.shape
     ffn = width // 2 if glu else width
-    rows = x.shape[0]
+    gather = token_ids is not None
+    rows = token_ids.shape[0] if gather else x.shape[0]
     out = x.new_empty(rows, ffn)
     h = x.new_empty(rows, width) if save_h else None
     if rows == 0:
@@ -290,10 +299,11 @@ def fc1_activation(x, w1, offs, probs, act, glu, offset, clamp, save_h, xa=None,
     tiles = FC1_GLU_TILES if glu else FC1_TILES
     programs, n_tiles = _grid(rows, num_experts, tiles, ffn)
     _fc1_act_kernel[(programs,)](
-        x, w1, offs, probs, h if save_h else out, out, xa.contiguous() if lora else x,
-        lb.contiguous() if lora else w1, num_experts, ffn, hidden, rank, n_tiles,
-        float(offset), float(clamp or 0.0), ACT=act, GLU=glu, CLAMP=clamp is not None,
-        SAVE_H=save_h, EVEN_K=hidden % tiles.block_k == 0, DOT_FP32=TRITON_INTERPRETER, LORA=lora,
+        x, token_ids.contiguous() if gather else offs, w1, offs, probs, h if save_h else out, out,
+        xa.contiguous() if lora else x, lb.contiguous() if lora else w1, num_experts, ffn, hidden,
+        rank, n_tiles, float(offset), float(clamp or 0.0), ACT=act, GLU=glu,
+        CLAMP=clamp is not None, SAVE_H=save_h, EVEN_K=hidden % tiles.block_k == 0,
+        DOT_FP32=TRITON_INTERPRETER, GATHER=gather, LORA=lora,
         LORA_PER_EXPERT=lora and lb.dim() == 3, BLOCK_R=_block_r(rank),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         E_P2=_e_p2(num_experts), num_warps=tiles.warps, num_stages=tiles.stages)

@@ -1,0 +1,64 @@
+"""RoutedTokens: the experts' input as the tokens and a row index, without a permuted copy.
+
+Megatron's dispatchers copy every routed row into expert-major order (`permute`) before the
+experts run, and in backward sum the rows' input gradients back into their tokens. Where every
+routed token is local after the dispatch (the allgather dispatcher), FP32CombineMoELayer hands
+TorchGroupedMLP the tokens and the token of each expert-major row instead: the fused fc1 kernel
+reads each row through that index, and the rows' input gradients are summed per token in FP32
+(`fp32_combine`; deterministic with its triton backend), rounded once. Paths that need the rows
+contiguous (grouped_mm, moe_apply_probs_on_input, a per-expert adapter's down projection on fc1)
+gather them with `rows()`, whose backward is that same sum.
+"""
+
+from typing import NamedTuple
+
+import torch
+
+from .combine import CombineOptions, fp32_combine
+
+
+class RoutedTokens(NamedTuple):
+    """tokens [T, H] and token_ids [N] (int64, the token of each row, rows grouped by local
+    expert in order, as Megatron's permute orders them); `combine` sums row gradients."""
+
+    tokens: torch.Tensor
+    token_ids: torch.Tensor
+    combine: CombineOptions
+
+    @property
+    def num_rows(self) -> int:
+        return self.token_ids.shape[0]
+
+    def rows(self, values: torch.Tensor = None) -> torch.Tensor:
+        """values [T, k] (default: the tokens) -> their routed rows [N, k], values[token_ids];
+        backward sums each row's gradient into its token in FP32."""
+        values = self.tokens if values is None else values
+        return GatherRows.apply(values, self.token_ids, self.combine)
+
+    def sum_by_token(self, row_values: torch.Tensor) -> torch.Tensor:
+        """row_values [N, k] -> [T, k] in row_values' dtype: each token's rows summed in FP32."""
+        return sum_rows_by_token(row_values, self.token_ids, self.tokens.shape[0], self.combine)
+
+
+def sum_rows_by_token(row_values: torch.Tensor, token_ids: torch.Tensor, num_tokens: int,
+                      combine: CombineOptions) -> torch.Tensor:
+    """row_values [N, k], token_ids [N] -> [num_tokens, k] in row_values' dtype (FP32 sum)."""
+    return fp32_combine(row_values, token_ids, num_tokens, chunk_rows=combine.chunk_rows,
+                        backend=combine.backend).to(row_values.dtype)
+
+
+class GatherRows(torch.autograd.Function):
+    """values [T, k] -> values[token_ids] [N, k]; backward: the FP32 per-token sum of the rows'
+    gradients. Saves token_ids only."""
+
+    @staticmethod
+    def forward(ctx, values, token_ids, combine):
+        ctx.save_for_backward(token_ids)
+        ctx.num_tokens, ctx.combine = values.shape[0], combine
+        return values.index_select(0, token_ids)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        (token_ids,) = ctx.saved_tensors
+        return sum_rows_by_token(grad_rows.contiguous(), token_ids, ctx.num_tokens,
+                                 ctx.combine), None, None
