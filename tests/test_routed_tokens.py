@@ -153,16 +153,18 @@ def test_fused_experts_on_routed_tokens_match_fp64(activation, glu, kind):
 # --- the MoE layer ---------------------------------------------------------------------------
 
 TOKENS, HIDDEN, EXPERTS, TOP_K = 40, 64, 8, 4
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def layer_pair(dispatcher="allgather", backend="torch", **overrides):
-    """The same MoE layer as FP32CombineMoELayer and as Megatron's MoELayer (experts frozen)."""
+def layer_pair(dispatcher="allgather", backend="torch", combine="torch", **overrides):
+    """The same MoE layer as FP32CombineMoELayer and as Megatron's MoELayer (experts frozen), on
+    DEVICE."""
     fields = dict(num_experts=EXPERTS, hidden=HIDDEN, ffn=48, moe_router_topk=TOP_K,
                   moe_token_dispatcher_type=dispatcher, moe_aux_loss_coeff=0.0,
                   moe_grouped_gemm=backend == "torch")  # else the local spec's SequentialMLP
     config = make_config(**{**fields, **overrides})
     config.moe_expert_gemm_backend = backend
-    config.moe_combine_backend = "torch"
+    config.moe_combine_backend = combine
     spec = get_gpt_layer_local_spec(config).submodules.mlp
     layers = []
     for layer_class in (FP32CombineMoELayer, MoELayer):
@@ -173,7 +175,7 @@ def layer_pair(dispatcher="allgather", backend="torch", **overrides):
     megatron.load_state_dict(ours.state_dict())
     for layer in layers:
         layer.experts.requires_grad_(False)
-    return ours, megatron
+    return ours.to(DEVICE), megatron.to(DEVICE)
 
 
 def record_expert_inputs(layer):
@@ -219,7 +221,7 @@ def test_allgather_layer_hands_torch_experts_the_tokens_in_place(megatron_world,
                     torch.nn.init.normal_(p, std=0.1)
             layer.router.requires_grad_(True)
     inputs = record_expert_inputs(ours)
-    x = torch.randn(TOKENS, 1, HIDDEN).bfloat16()
+    x = torch.randn(TOKENS, 1, HIDDEN, device=DEVICE).bfloat16()
     x_ours, x_theirs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     out_megatron, _ = megatron(x_theirs)
 
@@ -230,7 +232,8 @@ def test_allgather_layer_hands_torch_experts_the_tokens_in_place(megatron_world,
     out, _ = ours(x_ours)
     (routed,) = inputs
     assert isinstance(routed, RoutedTokens) and routed.tokens.shape == (TOKENS, HIDDEN)
-    _, routing_map = ours.router(x)
+    with torch.no_grad():
+        _, routing_map = ours.router(x)
     assert torch.equal(routed.token_ids, local_routing(routing_map, routing_map.float(),
                                                        range(EXPERTS))[1])
     if adapters is None:
@@ -252,7 +255,7 @@ def test_in_place_rows_with_probs_on_the_input(megatron_world):
     """moe_apply_probs_on_input (top-1): the experts gather the rows before scaling them."""
     ours, megatron = layer_pair(moe_router_topk=1, moe_apply_probs_on_input=True,
                                 moe_router_pre_softmax=True)
-    x = torch.randn(TOKENS, 1, HIDDEN).bfloat16()
+    x = torch.randn(TOKENS, 1, HIDDEN, device=DEVICE).bfloat16()
     x_ours, x_theirs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     out, _ = ours(x_ours)
     out_megatron, _ = megatron(x_theirs)
@@ -271,7 +274,7 @@ def test_other_experts_and_the_alltoall_dispatcher_get_the_permuted_copy(
     dispatcher, which permutes before its all-to-all, keep Megatron's permuted rows."""
     ours, megatron = layer_pair(dispatcher, backend)
     inputs = record_expert_inputs(ours)
-    x = torch.randn(TOKENS, 1, HIDDEN).bfloat16()
+    x = torch.randn(TOKENS, 1, HIDDEN, device=DEVICE).bfloat16()
     out, _ = ours(x)
     assert isinstance(inputs[0], torch.Tensor) and inputs[0].shape[0] == TOKENS * TOP_K
     assert rel_err(out, megatron(x)[0]) < 1e-2
@@ -292,7 +295,7 @@ def test_layer_with_fused_kernels_reads_rows_in_place(megatron_world, monkeypatc
     real = fused_module.fused_experts
     monkeypatch.setattr(fused_module, "fused_experts",
                         lambda *a, **k: seen.append(k.get("routed")) or real(*a, **k))
-    x = torch.randn(TOKENS, 1, HIDDEN).bfloat16()
+    x = torch.randn(TOKENS, 1, HIDDEN, device=DEVICE).bfloat16()
     x_ours, x_theirs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     out, _ = ours(x_ours)
     out_megatron, _ = megatron(x_theirs)
@@ -321,7 +324,7 @@ def test_built_moe_layers_convert_to_fp32_combine_in_place(megatron_world):
     assert list(model.state_dict()) == keys
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
     inputs = record_expert_inputs(converted)
-    x = torch.randn(TOKENS, 1, HIDDEN).bfloat16()
+    x = torch.randn(TOKENS, 1, HIDDEN, device=DEVICE).bfloat16()
     assert torch.equal(converted(x)[0], built(x)[0])
     assert isinstance(inputs[0], RoutedTokens)
     assert convert_moe_layers_to_fp32_combine(model) == []  # already converted
@@ -340,3 +343,36 @@ def test_conversion_refuses_before_it_changes_a_layer(megatron_world):
                              "moe_pad_expert_input_to_capacity=True"):
         convert_moe_layers_to_fp32_combine(model)
     assert type(good) is MoELayer and type(bad) is MoELayer
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_layer_on_cuda_reads_rows_in_place_with_compiled_kernels(megatron_world, monkeypatch):
+    """On CUDA, the compiled fused kernels and the triton combine: fused_experts gets
+    RoutedTokens; output, input and router gradients match Megatron's layer and repeat bit for
+    bit run to run."""
+    from mcore_torch_experts.kernels import fused_experts as fused_module
+    from mcore_torch_experts.kernels.choice import resolve_kernels
+
+    ours, megatron = layer_pair(combine="triton", activation="squared_relu", glu=False)
+    ours.config.moe_expert_kernel = "fused_gemm"
+    ours.experts.kernels = resolve_kernels(ours.config)
+    seen = []
+    real = fused_module.fused_experts
+    monkeypatch.setattr(fused_module, "fused_experts",
+                        lambda *a, **k: seen.append(k.get("routed")) or real(*a, **k))
+    x = torch.randn(TOKENS * 8, 1, HIDDEN, device=DEVICE).bfloat16()
+    grad = torch.randn_like(x)
+
+    def run(layer):
+        layer.zero_grad(set_to_none=True)
+        xk = x.clone().requires_grad_(True)
+        out, _ = layer(xk)
+        out.backward(grad)
+        return out.detach(), xk.grad, layer.router.weight.grad.clone()
+
+    first, second, theirs = run(ours), run(ours), run(megatron)
+    assert isinstance(seen[0], RoutedTokens)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    for got, want in zip(first, theirs):
+        assert rel_err(got, want) < 2e-2
