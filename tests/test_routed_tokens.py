@@ -16,6 +16,10 @@ from mcore_torch_experts.specs import get_gpt_layer_local_spec
 from reference import fp64_experts, make_config, rel_err
 
 TORCH_COMBINE = CombineOptions(chunk_rows=5, backend="torch")
+# Skipped on a CUDA host before a child interpreter starts: the compiled kernels are checked there
+# (test_layer_on_cuda_reads_rows_in_place_with_compiled_kernels).
+INTERPRETED = pytest.mark.skipif(torch.cuda.is_available(),
+                                 reason="on a CUDA host the kernels run compiled (the CUDA test)")
 
 
 def routed_rows(gen, num_tokens, splits):
@@ -29,8 +33,6 @@ def skip_without_interpreted_kernels():
     pytest.importorskip("triton", reason="triton is not installed: the fused kernels are untested")
     if not hasattr(torch.nn.functional, "grouped_mm"):
         pytest.skip("this torch has no CPU grouped_mm for fc2 and fc1's input gradient")
-    if torch.cuda.is_available():
-        pytest.skip("on a CUDA host the kernels run compiled, on the GPU (tests/test_gpu.py)")
 
 
 def test_gathered_rows_sum_their_gradients_per_token_in_fp32():
@@ -50,6 +52,7 @@ def test_gathered_rows_sum_their_gradients_per_token_in_fp32():
 
 
 @pytest.mark.triton_interpreter
+@INTERPRETED
 @pytest.mark.parametrize("glu", [False, True])
 def test_fc1_kernel_reads_rows_through_the_index_bit_for_bit(glu):
     """fc1's kernel given the tokens and the index writes what it writes for the permuted copy."""
@@ -90,6 +93,7 @@ def forward_backward(fused_experts, args, routed, leaves, grad):
 
 
 @pytest.mark.triton_interpreter
+@INTERPRETED
 @pytest.mark.parametrize("activation, glu, kind", [("squared_relu", False, None),
                                                    ("silu", True, "shared"),
                                                    ("squared_relu", False, "per_expert")])
@@ -281,6 +285,7 @@ def test_other_experts_and_the_alltoall_dispatcher_get_the_permuted_copy(
 
 
 @pytest.mark.triton_interpreter
+@INTERPRETED
 def test_layer_with_fused_kernels_reads_rows_in_place(megatron_world, monkeypatch):
     """moe_expert_kernel="fused_gemm" in the layer: fc1's kernel reads the tokens through the
     index (fused_experts gets RoutedTokens); output and input gradient match Megatron's layer."""

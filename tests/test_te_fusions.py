@@ -94,10 +94,14 @@ def test_fusion_with_fp32_combine(te_world, fusion, dispatcher):
     fused = run(te_config(**ours, **setting), state)
     theirs = run(te_config(**fields, **setting), state)  # TEGroupedMLP with the same setting
 
+    # allgather: the experts read the routed rows in place (no permute, fused or not), the
+    # combine reads fc2's rows; alltoall: Megatron's permute, the FP32 combine after it.
     combine = "combine_preprocess" if dispatcher == "allgather" else "combine_postprocess"
+    route = "hand_tokens_in_place" if dispatcher == "allgather" else "route_unpermute_through"
     for layer in moe_layers(fused[0]):
         assert type(layer) is FP32CombineMoELayer
-        assert "route_unpermute_through" in getattr(layer.token_dispatcher, combine).__qualname__
+        assert route in getattr(layer.token_dispatcher, combine).__qualname__
+        assert getattr(layer.token_dispatcher, "rows_in_place", False) == (dispatcher == "allgather")
     assert_close(fused, plain)
     assert_close(fused, theirs)
 
