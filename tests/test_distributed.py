@@ -111,6 +111,22 @@ def test_experts_receive_exactly_the_tokens_routed_to_them(layout):
             assert row["experts_untouched"], (name, rank["rank"], row)
 
 
+def test_fp32_combine_layer_reads_the_gathered_tokens_in_place(layout):
+    """TorchGroupedMLP in the FP32CombineMoELayer: on the allgather dispatcher its experts get
+    the tokens gathered from every rank and the row index (RoutedTokens), on alltoall the
+    permuted rows; output and input gradient against the FP64 reference; the tokens routed to
+    them."""
+    name, launch = layout
+    for rank in launch.results():
+        for row in rank["parity"]:
+            where = f"{name} rank {rank['rank']} {row['dispatcher']}/{row['case']}: {row}"
+            handed = "RoutedTokens" if row["dispatcher"] == "allgather" else "Tensor"
+            assert row["fp32_combine_experts_input"] == handed, where
+            assert row["fp32_combine_out_vs_reference"] <= REFERENCE_TOL, where
+            assert row["fp32_combine_grad_vs_reference"] <= REFERENCE_TOL, where
+            assert row["fp32_combine_tokens_per_expert"] == row["expected_tokens_per_expert"]
+
+
 def test_invalid_shapes_fail_with_one_message_on_every_rank(layout):
     name, launch = layout
     expected = LAYOUTS[name][2]

@@ -3,7 +3,9 @@
 For each dispatcher and activation it checks, on every rank, that the layer's output and input
 gradient match the same layer with SequentialMLP experts and an FP64 one-process reference holding
 all global experts; that the experts received exactly the tokens routed to them from every rank the
-dispatcher gathers from; and that the frozen weights are untouched. Where Transformer Engine runs
+dispatcher gathers from; and that the frozen weights are untouched. TorchGroupedMLP in the
+FP32CombineMoELayer too, against the FP64 reference (on allgather its experts read the gathered
+tokens through the row index). Where Transformer Engine runs
 (importable, --device cuda) the same again with the layers of the TE spec: TorchGroupedMLP against
 Megatron's TEGroupedMLP with the same global weights (elsewhere reported as skipped, with the
 reason). Then it checks that invalid shapes for this layout fail with the same message on every
@@ -100,7 +102,9 @@ def parity(args, pg, device, dispatcher, case, sizes, block="parity"):
                           and fc1.grad is None and fc2.grad is None)
     (out, grad), (other_out, other_grad) = results[ours], results[other]
     ref_out, ref_grad = reference_moe(x.cpu(), grad_out.cpu(), weights, sizes)
-    return {
+    row = fp32_combine_row(args, pg, device, dispatcher, sizes, weights, x, grad_out, ref_out,
+                           ref_grad) if block == "parity" else {}
+    return {**row,
         "dispatcher": dispatcher, "case": case,
         f"out_vs_{other}": rel_err(out, other_out), f"grad_vs_{other}": rel_err(grad, other_grad),
         "out_vs_reference": rel_err(out, ref_out), "grad_vs_reference": rel_err(grad, ref_grad),
@@ -110,6 +114,24 @@ def parity(args, pg, device, dispatcher, case, sizes, block="parity"):
         "expected_tokens_per_expert": expected_tokens_per_expert(pg, xs, weights, sizes),
         "experts_untouched": bool(untouched),
     }
+
+
+def fp32_combine_row(args, pg, device, dispatcher, sizes, weights, x, grad_out, ref_out,
+                     ref_grad):
+    """TorchGroupedMLP in the FP32CombineMoELayer against the FP64 reference: on the allgather
+    dispatcher its experts get the gathered tokens and the row index (RoutedTokens), else the
+    permuted rows; the tokens per expert they see."""
+    layer = experts_layer("torch", sizes, pg, device, tp=args.tp, ep=args.ep, etp=args.etp,
+                          sp=args.sp, dispatcher=dispatcher, moe_combine_in_fp32=True)
+    install(layer, weights, pg, sizes.glu)
+    inputs, seen = [], {}
+    layer.experts.register_forward_pre_hook(
+        lambda module, args: inputs.append(type(args[0]).__name__))
+    out, grad = run_layer(layer, x, grad_out, seen, "fp32_combine")
+    return {"fp32_combine_experts_input": inputs[0],
+            "fp32_combine_out_vs_reference": rel_err(out, ref_out),
+            "fp32_combine_grad_vs_reference": rel_err(grad, ref_grad),
+            "fp32_combine_tokens_per_expert": seen["fp32_combine"]}
 
 
 def shared_experts_fp32_combine(args, pg, device, overlap, experts="torch"):
@@ -227,6 +249,18 @@ def failures(args, result):
                                 f"{row['expected_tokens_per_expert']}")
             if not row["experts_untouched"]:
                 problems.append(f"{label}: expert weights changed or got a gradient")
+            if block != "parity":
+                continue
+            for name in ("fp32_combine_out_vs_reference", "fp32_combine_grad_vs_reference"):
+                if not row[name] <= TOLERANCE["reference"]:
+                    problems.append(f"{label}: {name}={row[name]:.3e} > {TOLERANCE['reference']}")
+            handed = "RoutedTokens" if row["dispatcher"] == "allgather" else "Tensor"
+            if row["fp32_combine_experts_input"] != handed:
+                problems.append(f"{label}: FP32CombineMoELayer handed its experts a "
+                                f"{row['fp32_combine_experts_input']}, expected {handed}")
+            if row["fp32_combine_tokens_per_expert"] != row["expected_tokens_per_expert"]:
+                problems.append(f"{label}: FP32CombineMoELayer's experts saw tokens per expert "
+                                f"{row['fp32_combine_tokens_per_expert']}")
     for row in result["shared_experts"]:
         label = (f"rank {result['rank']} {row['experts']} alltoall/shared experts "
                  f"(overlap={row['overlap']})")
