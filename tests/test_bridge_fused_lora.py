@@ -128,15 +128,15 @@ def check_bridge_adapters_run_in_the_kernels(bridge, pg, layout, monkeypatch, de
 
 
 @pytest.mark.triton_interpreter
+@pytest.mark.skipif(torch.cuda.is_available(),  # decided before a child interpreter starts
+                    reason="on a CUDA host the kernels run compiled, on the GPU "
+                    "(test_forced_fused_gemm_runs_bridges_adapters_on_cuda)")
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_forced_fused_gemm_runs_bridges_adapters_as_bridge_does(bridge, megatron_cpu, layout,
                                                                   monkeypatch):
     """Bridge's shared and per-expert LoRA in the fused kernels under the Triton interpreter:
     check_bridge_adapters_run_in_the_kernels on the CPU."""
     pytest.importorskip("triton", reason="triton is not installed: the fused kernels are untested")
-    if torch.cuda.is_available():
-        pytest.skip("on a CUDA host the kernels run compiled, on the GPU "
-                    "(test_forced_fused_gemm_runs_bridges_adapters_on_cuda)")
     check_bridge_adapters_run_in_the_kernels(bridge, megatron_cpu, layout, monkeypatch, "cpu")
 
 
@@ -150,12 +150,12 @@ def test_forced_fused_gemm_runs_bridges_adapters_on_cuda(bridge, megatron_world,
 
 
 @pytest.mark.triton_interpreter
+@pytest.mark.skipif(torch.cuda.is_available(),  # decided before a child interpreter starts
+                    reason="on a CUDA host the kernels run compiled, on the GPU (tests/test_gpu.py)")
 def test_a_disabled_bridge_adapter_adds_no_term(bridge, megatron_cpu, monkeypatch):
     """Bridge's disable_adapter_layers(): the kernels run the base alone, as Bridge's wrapper
     does, bitwise equal to the experts without the adapter."""
     pytest.importorskip("triton", reason="triton is not installed: the fused kernels are untested")
-    if torch.cuda.is_available():
-        pytest.skip("on a CUDA host the kernels run compiled, on the GPU (tests/test_gpu.py)")
     from mcore_torch_experts.kernels import fused_experts as fused_module
 
     _, experts = experts_with_bridge_lora(bridge, megatron_cpu, LAYOUTS["shared"])

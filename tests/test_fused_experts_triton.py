@@ -54,12 +54,12 @@ def check_clamp_backward(config, x, probs, w1, w2, offs, splits, grad):
 
 
 @pytest.mark.triton_interpreter
+@pytest.mark.skipif(torch.cuda.is_available(),  # decided before a child interpreter starts
+                    reason="on a CUDA host the kernels run compiled, on the GPU (tests/test_gpu.py)")
 def test_fused_experts_match_fp64_in_the_interpreter():
     pytest.importorskip("triton", reason="triton is not installed: the fused kernels are untested")
     if not hasattr(torch.nn.functional, "grouped_mm"):
         pytest.skip("this torch has no CPU grouped_mm for fc2 and fc1's input gradient")
-    if torch.cuda.is_available():
-        pytest.skip("on a CUDA host the kernels run compiled, on the GPU (tests/test_gpu.py)")
     from mcore_torch_experts.kernels.fused_experts import fused_experts
     from mcore_torch_experts.kernels.grouped_gemm import find_grouped_mm
 
@@ -298,6 +298,8 @@ LORA_CASES = [
 
 
 @pytest.mark.triton_interpreter
+@pytest.mark.skipif(torch.cuda.is_available(),  # decided before a child interpreter starts
+                    reason="on a CUDA host the kernels run compiled, on the GPU (tests/test_gpu.py)")
 def test_fused_experts_with_lora_match_fp64_in_the_interpreter():
     """fused_experts with LoRA terms on fc1 and/or fc2 against the FP64 per-expert loop with
     weight + scale * B @ A: output, input gradient, probs gradient and every adapter factor's
@@ -307,8 +309,6 @@ def test_fused_experts_with_lora_match_fp64_in_the_interpreter():
     pytest.importorskip("triton", reason="triton is not installed: the fused kernels are untested")
     if not hasattr(torch.nn.functional, "grouped_mm"):
         pytest.skip("this torch has no CPU grouped_mm for fc2 and fc1's input gradient")
-    if torch.cuda.is_available():
-        pytest.skip("on a CUDA host the kernels run compiled, on the GPU (tests/test_gpu.py)")
     from mcore_torch_experts.kernels.fused_experts import LoRATerm, fused_experts
     from mcore_torch_experts.kernels.grouped_gemm import find_grouped_mm
 
@@ -385,6 +385,8 @@ def _forward_backward(experts, x, splits, probs, grad):
 
 
 @pytest.mark.triton_interpreter
+@pytest.mark.skipif(torch.cuda.is_available(),  # decided before a child interpreter starts
+                    reason="on a CUDA host the kernels run compiled, on the GPU (tests/test_gpu.py)")
 @pytest.mark.parametrize("kind", ["shared", "per_expert"])
 def test_torch_grouped_mlp_fused_gemm_with_adapters_matches_grouped_mm(megatron_cpu, kind,
                                                                         monkeypatch):
@@ -395,8 +397,6 @@ def test_torch_grouped_mlp_fused_gemm_with_adapters_matches_grouped_mm(megatron_
     pytest.importorskip("triton", reason="triton is not installed: the fused kernels are untested")
     if not hasattr(torch.nn.functional, "grouped_mm"):
         pytest.skip("this torch has no CPU grouped_mm for fc2 and fc1's input gradient")
-    if torch.cuda.is_available():
-        pytest.skip("on a CUDA host the kernels run compiled, on the GPU (tests/test_gpu.py)")
     from mcore_torch_experts.kernels import fused_experts as fused_module
     from mcore_torch_experts.lora import lora_parameters
 
