@@ -33,7 +33,8 @@ from .routed_tokens import RoutedTokens
 class FP32CombineMoELayer(MoELayer):
     """MoELayer whose top-k combine accumulates in FP32 (settings from the config:
     `moe_combine_chunk_rows`, `moe_combine_backend`). A config the combine cannot run is refused
-    (validate_fp32_combine_config) before anything is built.
+    (validate_fp32_combine_config) before anything is built. On the allgather dispatcher its
+    TorchGroupedMLP experts read the routed rows in place (hand_tokens_in_place).
 
     Before megatron-core 0.18, TransformerLayer passes `pg_collection` (and, on 0.17,
     `is_mtp_layer`) only to the exact MoELayer class: this layer is built without them and runs
