@@ -10,6 +10,7 @@ contiguous (grouped_mm, moe_apply_probs_on_input, a per-expert adapter's down pr
 gather them with `rows()`, whose backward is that same sum.
 """
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -35,9 +36,11 @@ class RoutedTokens(NamedTuple):
         values = self.tokens if values is None else values
         return GatherRows.apply(values, self.token_ids, self.combine)
 
-    def sum_by_token(self, row_values: torch.Tensor) -> torch.Tensor:
-        """row_values [N, k] -> [T, k] in row_values' dtype: each token's rows summed in FP32."""
-        return sum_rows_by_token(row_values, self.token_ids, self.tokens.shape[0], self.combine)
+    def row_sum(self):
+        """(row_values [N, k], token_ids [N]) -> [T, k] in row_values' dtype, each token's rows
+        summed in FP32; holds the token count and the combine options, no tensor."""
+        return functools.partial(sum_rows_by_token, num_tokens=self.tokens.shape[0],
+                                 combine=self.combine)
 
 
 def sum_rows_by_token(row_values: torch.Tensor, token_ids: torch.Tensor, num_tokens: int,

@@ -2,7 +2,7 @@
 autograd Functions around the two kernels, saving only what backward needs, and the LoRA term of
 an adapter on either linear (LoRATerm: shared factors or one pair per expert, scale alpha/r).
 With RoutedTokens (routed_tokens.py) as the input, fc1's kernel reads each row through the row
-index and fc1's input gradient is summed per token by `routed.sum_by_token`.
+index and fc1's input gradient is summed per token (`routed.row_sum()`).
 
 The small `scale * x @ A.T` [T, r] is computed outside the kernels (a grouped GEMM per expert,
 or a plain matmul for shared factors) and fed to fc1's kernel; fc2 forward and fc1's input
@@ -99,16 +99,19 @@ class Fc1Activation(torch.autograd.Function):
     instead); backward is fc1's input gradient, d x = d h @ w1[e], and with an adapter
     d xa = d h @ lb (x and A get the rest through lora_down's autograd) and d lb = d h.T @ xa
     (per expert over its rows). Saves w1, the offsets and, with an adapter, lb (for d xa) and
-    xa [T, r] (for d lb), each only when that gradient is wanted."""
+    xa [T, r] (for d lb), each only when that gradient is wanted; with `routed`, its token ids
+    (not its tokens)."""
 
     @staticmethod
     def forward(ctx, x, probs, w1, offs, grouped_mm, act, glu, offset, clamp, xa, lb, routed):
         ctx.set_materialize_grads(False)
         needs = ctx.needs_input_grad
         ctx.save_for_backward(w1, offs, xa if lb is not None and needs[10] else None,
-                              lb if lb is not None and needs[9] else None)
+                              lb if lb is not None and needs[9] else None,
+                              None if routed is None else routed.token_ids)
         ctx.per_expert = lb is not None and lb.dim() == 3
-        ctx.grouped_mm, ctx.routed = grouped_mm, routed
+        ctx.grouped_mm = grouped_mm
+        ctx.sum_rows = None if routed is None else routed.row_sum()
         inter, h = fc1_activation(x.contiguous(), w1, offs, probs.contiguous(), act, glu, offset,
                                   clamp, save_h=True, xa=xa, lb=lb,
                                   token_ids=None if routed is None else routed.token_ids)
@@ -117,7 +120,7 @@ class Fc1Activation(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _grad_inter, grad_h):
-        w1, offs, xa, lb = ctx.saved_tensors
+        w1, offs, xa, lb, token_ids = ctx.saved_tensors
         nothing = (None,) * 8
         if grad_h is None:
             return (None,) * 12
@@ -128,8 +131,8 @@ class Fc1Activation(torch.autograd.Function):
                 dx = grad_h.new_zeros(0, w1.shape[2])
             else:
                 dx = ctx.grouped_mm(grad_h, w1, offs=offs)
-            if ctx.routed is not None:
-                dx = ctx.routed.sum_by_token(dx)
+            if token_ids is not None:
+                dx = ctx.sum_rows(dx, token_ids)
         dxa = dlb = None
         if lb is not None:  # saved only when xa needs its gradient
             dxa = _rows_times(grad_h, lb, offs, ctx.grouped_mm, transpose=False)
