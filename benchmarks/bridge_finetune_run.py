@@ -17,7 +17,6 @@ installs what Bridge's training modules import and runs this.
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,16 +42,11 @@ PHASES = {
     # name: (experts, train_iters, what it loads, where it saves)
     "pretrain": ("te", 1, None, "pretrained"),
     "te": ("te", None, None, None),
+    "te-cutlass": ("te", None, None, None),   # with NVTE_USE_CUTLASS_GROUPED_GEMM=1
     "torch": ("torch", None, None, None),
     "torch-first-half": ("torch", "half", None, "lora_split"),
     "torch-resumed": ("torch", None, "lora_split", "lora_split"),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def config(phase: str, out: Path, iters: int, expert_adapters: str):
@@ -119,15 +113,19 @@ def worker(phase: str, out: Path, iters: int, expert_adapters: str) -> None:
     cfg = config(phase, out, iters, expert_adapters)
     (pretrain if phase == "pretrain" else finetune)(cfg, forward_step, callbacks=[record])
     if torch.distributed.get_rank() == 0:
-        (out / f"{phase}.json").write_text(json.dumps(dict(model=record.model, steps=record.steps)))
+        (out / f"{phase}.json").write_text(json.dumps(dict(
+            model=record.model, steps=record.steps,
+            peak_gib=torch.cuda.max_memory_allocated() / 2**30)))
 
 
 def run_phase(phase: str, out: Path, args) -> dict:
     env = dict(os.environ)
+    if phase == "te-cutlass":
+        env["NVTE_USE_CUTLASS_GROUPED_GEMM"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(harness.REPO_ROOT), str(Path(__file__).parent),
                                          env.get("PYTHONPATH", "")])
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-               "--master-port", str(_free_port()), __file__, "--phase", phase,
+               "--master-port", str(harness.free_port()), __file__, "--phase", phase,
                "--out-dir", str(out), "--iters", str(args.iters),
                "--expert-adapters", args.expert_adapters]
     start = time.time()
@@ -164,7 +162,7 @@ def main() -> None:
     loss_diff = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(ours, te))
     tokens = SEQUENCES * SLICE["seq_length"]
     rows = []
-    for phase in ("te", "torch"):
+    for phase in ("te", "te-cutlass", "torch"):
         steps = results[phase]["steps"]
         timed = [s["ms"] for s in steps[args.skip:]]
         median = statistics.median(timed)
@@ -173,7 +171,7 @@ def main() -> None:
                      f"{max(timed):.1f})", f"{tokens / median * 1e3:,.0f}",
                      harness.fmt(te_median / median, ".2f"),
                      f"{steps[0]['loss']:.4f} → {steps[-1]['loss']:.4f}",
-                     results[phase]["model"]["trained"],
+                     f"{results[phase]['peak_gib']:.1f}", results[phase]["model"]["trained"],
                      results[phase]["model"]["expert_weights_trained"]])
     header = harness.header(torch.device("cuda"), packages=(
         "triton", "megatron-core", "megatron-bridge", "transformer-engine"))
@@ -183,18 +181,24 @@ def main() -> None:
     body = [f"{args.iters} iterations per arm, the first {args.skip} not timed; ms per iteration "
             "from Bridge's train-step callbacks (synchronised), median (min–max).", ""]
     body += harness.markdown_table(["experts", "ms / iteration", "tokens/s", "x TEGroupedMLP",
-                                    "loss, first → last", "trained tensors",
+                                    "loss, first → last", "peak GiB", "trained tensors",
                                     "expert weights trained"], rows)
     body += ["", f"max rel. loss difference, TorchGroupedMLP vs TEGroupedMLP: {loss_diff:.1e}",
              f"max rel. loss difference, stopped at {args.iters // 2}, saved and resumed vs "
              f"uninterrupted: {resume_diff:.1e}",
              f"TorchGroupedMLP arm's log line: `{results['torch']['summary_line'] or 'MISSING'}`"]
+    ok = bool(resume_diff < 1e-3 and loss_diff < 2e-2 and results["torch"]["summary_line"]
+              and results["torch"]["model"]["experts"] == ["TorchGroupedMLP"]
+              and results["torch"]["model"]["expert_weights_trained"] == 0)
+    medians = {phase: statistics.median(s["ms"] for s in results[phase]["steps"][args.skip:])
+               for phase in ("te", "te-cutlass", "torch")}
+    summary = dict(ms_ours=medians["torch"], ms_stock=medians["te"],
+                   ms_cutlass=medians["te-cutlass"], loss_diff=loss_diff, resume_diff=resume_diff,
+                   peak_ours=results["torch"]["peak_gib"], peak_stock=results["te"]["peak_gib"],
+                   ok=ok)
     text = harness.write_report(out, "bridge_finetune", "Megatron-Bridge finetune() on the GPU",
-                                header, body, results)
+                                header, body, {**results, "summary": summary})
     print(text)
-    ok = (resume_diff < 1e-3 and loss_diff < 2e-2 and results["torch"]["summary_line"]
-          and results["torch"]["model"]["experts"] == ["TorchGroupedMLP"]
-          and results["torch"]["model"]["expert_weights_trained"] == 0)
     sys.exit(0 if ok else 1)
 
 

@@ -14,6 +14,7 @@ import os
 import platform
 import re
 import shlex
+import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +37,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # temporary; and Triton kernels are defined for the interpreter (the variable must be set before
 # triton is imported).
 CPU_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "TRITON_INTERPRET": "1"}
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface (a torchrun master's)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def rerun_with_cpu_env() -> None:

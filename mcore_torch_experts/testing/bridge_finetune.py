@@ -83,7 +83,9 @@ def finetune_config(provider, phase: Phase, schedule: Schedule, out: Path, *, pe
             save=str(out / phase.save) if phase.save else None,
             load=str(out / phase.load) if phase.load else None,
             pretrained_checkpoint=str(out / "pretrained") if phase.finetuning else None,
-            ckpt_format="torch_dist", fully_parallel_save=True, async_save=False),
+            ckpt_format="torch_dist", fully_parallel_save=True, async_save=False,
+            # The pretrain phase's checkpoint is only loaded as `pretrained_checkpoint` (weights).
+            save_optim=phase.finetuning, save_rng=phase.finetuning),
         dist=dist,
         rng=RNGConfig(seed=1234),
         mixed_precision="bf16_mixed",

@@ -38,11 +38,9 @@ SEQ = 16
 BATCH = 2
 
 
-def cpu_policy_config(hf_path: Path, peft: bool) -> dict:
-    """NeMo-RL's Megatron GRPO recipe's `policy`, for the tiny checkpoint on one CPU process: the
-    docs' YAML block (with `peft.enabled` as asked) merged over it, the settings a CPU host needs
-    (FP32, local modules, no fused kernels, no overlap, no asynchronous checkpoint saves) and a
-    batch of two sequences of 16 tokens."""
+def policy_config(hf_path: Path, peft: bool) -> dict:
+    """NeMo-RL's Megatron GRPO recipe's `policy` with the docs' YAML block (`peft.enabled` as
+    asked) merged over it, for the checkpoint at `hf_path`: what a user's run gets on a GPU."""
     import nemo_rl
     import yaml
     from nemo_rl.utils.config import load_config, register_omegaconf_resolvers
@@ -59,10 +57,19 @@ def cpu_policy_config(hf_path: Path, peft: bool) -> dict:
     megatron = policy["megatron_cfg"]
     for key, value in ours["megatron_cfg"].items():
         megatron[key] = value
-    policy.update(model_name=str(hf_path), precision="float32", train_global_batch_size=BATCH,
+    policy["model_name"] = policy["tokenizer"]["name"] = str(hf_path)
+    return policy
+
+
+def cpu_policy_config(hf_path: Path, peft: bool) -> dict:
+    """`policy_config` for the tiny checkpoint on one CPU process: the settings a CPU host needs
+    (FP32, local modules, no fused kernels, no overlap, no asynchronous checkpoint saves) and a
+    batch of two sequences of 16 tokens."""
+    policy = policy_config(hf_path, peft)
+    megatron = policy["megatron_cfg"]
+    policy.update(precision="float32", train_global_batch_size=BATCH,
                   train_micro_batch_size=1, logprob_batch_size=1, max_total_sequence_length=SEQ,
                   make_sequence_length_divisible_by=1, generation=None)
-    policy["tokenizer"]["name"] = str(hf_path)
     policy["sequence_packing"]["enabled"] = False
     policy["dynamic_batching"]["enabled"] = False
     megatron.update(transformer_impl="local", pipeline_dtype="float32", moe_permute_fusion=False,
@@ -77,12 +84,12 @@ def cpu_policy_config(hf_path: Path, peft: bool) -> dict:
     return policy
 
 
-def make_tokenizer(path: Path) -> None:
-    """A word-level tokenizer of the tiny checkpoint's vocabulary, saved beside it."""
+def make_tokenizer(path: Path, vocab_size: int = example.TINY_QWEN3_MOE["vocab_size"]) -> None:
+    """A word-level tokenizer of the checkpoint's vocabulary, saved beside it."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"t{i}": i for i in range(example.TINY_QWEN3_MOE["vocab_size"])}
+    vocab = {f"t{i}": i for i in range(vocab_size)}
     raw = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="t1", pad_token="t2",

@@ -1,0 +1,288 @@
+"""NeMo-RL's own Megatron policy worker on the GPU with Transformer Engine (NeMo-RL main
+`7ea279ab`: megatron-core 0.20.0, Megatron-Bridge 0.7.0), as its GRPO loop drives it, with the
+worker extension docs/enable.md names (`TorchExpertsMegatronPolicyWorker`) against NeMo-RL's
+stock worker (TEGroupedMLP experts, and the same with TE's CUTLASS grouped GEMM).
+
+Each arm is one process (the worker built as its Ray actor would build it, in that process):
+NeMo-RL's setup in its own order (HF import with the spec, model and optimizer, reference model)
+from one Qwen3-MoE-like HF checkpoint, with the Megatron GRPO recipe and the docs' YAML block
+(TE attention and linears, BF16, the alltoall dispatcher, full recompute), then `--steps` GRPO
+steps as `grpo.py` runs them: `get_logprobs` (the previous policy's logprobs),
+`get_reference_policy_logprobs`, `train` with NeMo-RL's `ClippedPGLossFn`. The PEFT arm of ours
+saves with the worker's `save_checkpoint`; a later process resumes from it as NeMo-RL resumes
+a run (`CheckpointManager.get_resume_paths`) and must give the trained logprobs.
+
+Checks: ours builds TorchGroupedMLP experts; the first logprobs (before any step) match the
+stock worker's on the same checkpoint within BF16 noise; the GRPO losses follow the stock
+worker's; the expert weights never change; the resumed worker gives the trained logprobs.
+
+    python3 benchmarks/nemo_rl_run.py --out-dir OUT [--steps 6] [--arms ...]
+
+scripts/gpu_client_routes.sh installs the stack (wheels, NeMo-RL's source) and runs this.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import harness
+
+# A Qwen3-30B-A3B-like layer at a size one GPU converts in seconds: SwiGLU experts, top-8.
+MODEL = dict(vocab_size=8192, hidden_size=1024, intermediate_size=3072, moe_intermediate_size=512,
+             num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+             num_experts=64, num_experts_per_tok=8, max_position_embeddings=4096,
+             tie_word_embeddings=False)
+SEQUENCES, SEQ = 8, 2048
+# name: (worker, PEFT, TE's CUTLASS grouped GEMM, resume from the "torch" arm's save)
+ARMS = {
+    "stock": ("stock", True, False, False),
+    "stock-cutlass": ("stock", True, True, False),
+    "torch": ("torch", True, False, False),
+    "torch-resumed": ("torch", True, False, True),
+    "stock-full": ("stock", False, False, False),
+    "torch-full": ("torch", False, False, False),
+}
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_checkpoint(path: Path) -> None:
+    """The HF checkpoint (BF16, random weights from MODEL) and its tokenizer."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    import nemo_rl_worker_run as shared
+
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(**MODEL)).to(torch.bfloat16).save_pretrained(path)
+    shared.make_tokenizer(path, MODEL["vocab_size"])
+
+
+def grpo_batch(shared, tokens: torch.Tensor):
+    """The fields grpo.py hands `train`: the sequences, their masks (the second half of each
+    sequence generated), fixed per-sequence advantages."""
+    data = shared.batch(tokens)
+    mask = data["token_mask"]
+    mask[:, : tokens.shape[1] // 2] = 0
+    data["advantages"] = torch.randn(tokens.shape[0], 1, generator=torch.Generator().manual_seed(
+        3)).expand_as(mask).contiguous()
+    return data
+
+
+def timed(call):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    value = call()
+    torch.cuda.synchronize()
+    return value, (time.perf_counter() - start) * 1e3
+
+
+def worker(arm: str, out: Path, steps: int) -> None:
+    """One arm: the worker built as its Ray actor would be, then `steps` GRPO steps."""
+    import nemo_rl_worker_run as shared
+    from mcore_torch_experts.testing import bridge_imports
+
+    kind, peft, _, resumed = ARMS[arm]
+    bridge_imports.import_megatron_bridge()
+    from nemo_rl.algorithms.loss.loss_functions import ClippedPGLossConfig, ClippedPGLossFn
+    from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorkerImpl
+    from nemo_rl.utils.checkpoint import CheckpointManager
+    from nemo_rl.utils.config import load_config
+
+    hf_path = out / "hf"
+    os.environ.update(NRL_MEGATRON_CHECKPOINT_DIR=str(out / f"megatron_{kind}"), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(harness.free_port()))
+    policy = shared.policy_config(hf_path, peft)
+    policy.update(train_global_batch_size=SEQUENCES, train_micro_batch_size=1,
+                  logprob_batch_size=1, max_total_sequence_length=SEQ, generation=None)
+    policy["sequence_packing"]["enabled"] = False
+    policy["dynamic_batching"]["enabled"] = False
+    policy["megatron_cfg"]["optimizer"].update(lr=1e-4, min_lr=1e-4)
+    policy["megatron_cfg"]["scheduler"].update(lr_warmup_iters=0, lr_warmup_init=1e-4)
+    recipe = load_config(str(nemo_rl_configs() / shared.NEMO_RL_CONFIG))
+    loss_fn = ClippedPGLossFn(ClippedPGLossConfig(**recipe["loss_fn"]))
+    if kind == "torch":
+        worker_class = shared.load_extension().TorchExpertsMegatronPolicyWorker \
+            .__ray_metadata__.modified_class
+    else:
+        worker_class = MegatronPolicyWorkerImpl
+    step_dir = out / "checkpoints" / "step_1"
+    resume = {}
+    if resumed:
+        weights_path, optimizer_path = CheckpointManager.get_resume_paths(step_dir)
+        resume = {"weights_path": os.path.abspath(weights_path),
+                  "optimizer_path": optimizer_path and os.path.abspath(optimizer_path)}
+    torch.cuda.reset_peak_memory_stats()
+    (built, model), build_ms = timed(lambda: shared.build_worker(worker_class, policy, hf_path,
+                                                                 **resume))
+    result = {**shared.describe(built, model), "arm": arm, "build_ms": build_ms}
+    tokens = torch.randint(3, MODEL["vocab_size"], (SEQUENCES, SEQ),
+                           generator=torch.Generator().manual_seed(7))
+    data = grpo_batch(shared, tokens)
+    if resumed:
+        logprobs = built.get_logprobs(data=data)["logprobs"]
+        trained = torch.load(out / "torch_trained_logprobs.pt")
+        result["resumed_vs_trained_logprobs_max_abs"] = shared.max_abs(logprobs[:, 1:],
+                                                                        trained[:, 1:])
+        (out / f"{arm}.json").write_text(json.dumps(result))
+        return
+    experts_before = {n: p.detach().clone() for n, p in model.named_parameters()
+                      if ".mlp.experts." in n and "adapter" not in n}
+    result["trainable"] = sum(p.requires_grad for p in model.parameters())
+    result["steps"] = []
+    for step in range(steps):
+        built.prepare_for_lp_inference()
+        previous, logprob_ms = timed(lambda: built.get_logprobs(data=data)["logprobs"])
+        if step == 0:
+            torch.save(previous.cpu(), out / f"{arm}_first_logprobs.pt")
+            data["generation_logprobs"] = previous.clone()
+        data["prev_logprobs"] = previous
+        data["reference_policy_logprobs"] = built.get_reference_policy_logprobs(data=data)[
+            "reference_logprobs"]
+        built.prepare_for_training()
+        metrics, train_ms = timed(lambda: built.train(data, loss_fn))
+        result["steps"].append(dict(logprob_ms=logprob_ms, train_ms=train_ms,
+                                    loss=float(torch.as_tensor(metrics["global_loss"]).float()
+                                               .mean())))
+    result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    result["expert_weights"] = len(experts_before)
+    result["expert_weights_changed"] = sum(
+        not torch.equal(p, dict(model.named_parameters())[n].detach())
+        for n, p in experts_before.items())
+    if arm == "torch":
+        built.prepare_for_lp_inference()
+        torch.save(built.get_logprobs(data=data)["logprobs"].cpu(),
+                   out / "torch_trained_logprobs.pt")
+        policy_dir = step_dir / "policy"
+        built.save_checkpoint(weights_path=str(policy_dir / "weights"),
+                              optimizer_path=str(policy_dir / "optimizer"),
+                              tokenizer_path=str(policy_dir / "tokenizer"))
+    (out / f"{arm}.json").write_text(json.dumps(result))
+
+
+def nemo_rl_configs() -> Path:
+    """NeMo-RL's examples/configs (unpacked beside its package, or NEMO_RL_CONFIGS)."""
+    import nemo_rl
+
+    return Path(os.environ.get("NEMO_RL_CONFIGS",
+                               Path(nemo_rl.__file__).parents[1] / "nemo_rl_configs"))
+
+
+def run_arm(arm: str, out: Path, args) -> dict:
+    env = dict(os.environ)
+    if ARMS[arm][2]:
+        env["NVTE_USE_CUTLASS_GROUPED_GEMM"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO), str(Path(__file__).parent), str(REPO / "tests"), str(REPO / "tests/workers"),
+         str(REPO / "examples"), env.get("PYTHONPATH", "")])
+    command = [sys.executable, __file__, "--arm", arm, "--out-dir", str(out),
+               "--steps", str(args.steps)]
+    start = time.time()
+    run = subprocess.run(command, env=env, capture_output=True, text=True)
+    log = run.stdout + run.stderr
+    (out / f"{arm}.log").write_text(" ".join(command) + "\n\n" + log)
+    print(f"[nemo-rl] {arm}: exit {run.returncode} in {time.time() - start:.0f} s", flush=True)
+    if run.returncode != 0:
+        print(log[-3000:], flush=True)
+        return {"arm": arm, "failed": f"exit {run.returncode}"}
+    return json.loads((out / f"{arm}.json").read_text())
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-6)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out-dir", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--skip", type=int, default=2, help="steps left out of the timing")
+    parser.add_argument("--arms", default=",".join(ARMS),
+                        help=f"comma-separated, of {', '.join(ARMS)}")
+    parser.add_argument("--arm", choices=list(ARMS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    out = args.out_dir.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if args.arm:
+        worker(args.arm, out, args.steps)
+        return
+    arms = args.arms.split(",")
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        parser.error(f"--arms: unknown arm(s) {unknown}; choose from {list(ARMS)}")
+    if not (out / "hf" / "config.json").is_file():
+        make_checkpoint(out / "hf")
+    results = {arm: run_arm(arm, out, args) for arm in arms}
+    first = {arm: torch.load(out / f"{arm}_first_logprobs.pt") for arm in arms
+             if (out / f"{arm}_first_logprobs.pt").is_file()}
+    rows, ok = [], all("failed" not in r for r in results.values())
+    for arm, result in results.items():
+        if "failed" in result:
+            rows.append([arm, "-", "-", "-", "-", "-", "-", result["failed"]])
+            continue
+        if "steps" not in result:   # the resumed arm
+            diff = result["resumed_vs_trained_logprobs_max_abs"]
+            ok &= diff == 0.0 and result["experts"][0] == "TorchGroupedMLP"
+            rows.append([arm, ", ".join(sorted(set(result["experts"]))), "-", "-", "-", "-",
+                         "-", f"logprobs vs trained worker: max abs {diff:.1e}"])
+            continue
+        stock = results.get("stock-full" if arm.endswith("full") else "stock", {})
+        timed_steps = result["steps"][args.skip:] or result["steps"]
+        train = statistics.median(s["train_ms"] for s in timed_steps)
+        logprob = statistics.median(s["logprob_ms"] for s in timed_steps)
+        notes = []
+        if "steps" in stock and arm != "stock" and arm != "stock-full":
+            stock_train = statistics.median(s["train_ms"] for s in (stock["steps"][args.skip:]
+                                                                    or stock["steps"]))
+            notes.append(f"train x stock {stock_train / train:.2f}")
+            loss = max(rel(a["loss"], b["loss"]) for a, b in zip(result["steps"],
+                                                                  stock["steps"]))
+            notes.append(f"max rel. loss diff vs stock {loss:.1e}")
+            base = "stock-full" if arm.endswith("full") else "stock"
+            if arm in first and base in first:
+                diff = (first[arm][:, 1:].double() - first[base][:, 1:].double()).abs().max()
+                notes.append(f"first logprobs vs stock: max abs {diff:.2e}")
+                ok &= bool(diff < 0.1) and loss < 0.05
+        ok &= result["expert_weights_changed"] == 0
+        rows.append([arm, ", ".join(sorted(set(result["experts"]))),
+                     f"{train:.1f} ({min(s['train_ms'] for s in timed_steps):.1f}–"
+                     f"{max(s['train_ms'] for s in timed_steps):.1f})", f"{logprob:.1f}",
+                     f"{result['steps'][0]['loss']:.4f} → {result['steps'][-1]['loss']:.4f}",
+                     f"{result['peak_gib']:.1f}",
+                     f"{result['expert_weights_changed']} of {result['expert_weights']}",
+                     "; ".join(notes)])
+    header = harness.header(torch.device("cuda"), packages=(
+        "triton", "megatron-core", "megatron-bridge", "transformer-engine", "nemo-rl", "ray"))
+    header.append(f"model: Qwen3-MoE {MODEL}; {SEQUENCES} x {SEQ} tokens per step; NeMo-RL's "
+                  "Megatron GRPO recipe with the docs' YAML block; ClippedPGLossFn")
+    body = [f"{args.steps} GRPO steps per arm, the first {args.skip} not timed; ms from the "
+            "worker's `train` and `get_logprobs` calls (synchronised), median (min–max).", ""]
+    body += harness.markdown_table(["arm", "experts", "train ms / step", "logprob ms",
+                                    "loss, first → last", "peak GiB", "expert weights changed",
+                                    "against the stock worker"], rows)
+    def train_ms(arm):
+        steps = results.get(arm, {}).get("steps")
+        return statistics.median(s["train_ms"] for s in steps[args.skip:] or steps) \
+            if steps else None
+
+    summary = dict(ms_ours=train_ms("torch"), ms_stock=train_ms("stock"),
+                   ms_cutlass=train_ms("stock-cutlass"),
+                   loss_diff=max((rel(a["loss"], b["loss"]) for a, b in zip(
+                       results.get("torch", {}).get("steps", []),
+                       results.get("stock", {}).get("steps", []))), default=None),
+                   peak_ours=results.get("torch", {}).get("peak_gib"),
+                   peak_stock=results.get("stock", {}).get("peak_gib"), ok=bool(ok))
+    text = harness.write_report(out, "nemo_rl_worker", "NeMo-RL's Megatron policy worker on the "
+                                "GPU", header, body, {**results, "summary": summary})
+    print(text)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
