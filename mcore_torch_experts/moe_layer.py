@@ -110,6 +110,20 @@ def local_routing(routing_map: torch.Tensor, probs: torch.Tensor, local_experts:
     return by_expert.sum(dim=1).long().cpu(), token_ids, row_probs, local_map
 
 
+def in_global_memory_buffer(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` lives in Megatron's global memory buffer, which the next user (the next
+    layer's all-gather, a sequence-parallel linear) overwrites: the allgather dispatcher gathers
+    the tokens into it when TP x EP > 1 (`use_global_buffer=True`)."""
+    from megatron.core import parallel_state
+
+    buffers = getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
+    if buffers is None or tensor.numel() == 0:
+        return False
+    storage = tensor.untyped_storage().data_ptr()
+    return any(buffer.untyped_storage().data_ptr() == storage
+               for buffer in buffers.buffer.values())
+
+
 def hand_tokens_in_place(layer: MoELayer) -> None:
     """Make the layer's allgather dispatcher hand TorchGroupedMLP experts RoutedTokens instead of
     a permuted copy, keeping what its permute keeps for the combine (local_map, local_probs, the
@@ -134,7 +148,8 @@ def hand_tokens_in_place(layer: MoELayer) -> None:
         dispatcher.local_map, dispatcher.local_probs = local_map, row_probs
         dispatcher.reversed_local_input_permutation_mapping = token_ids
         dispatcher.routing_map = None
-        routed = RoutedTokens(hidden_states, token_ids, layer.combine_options)
+        routed = RoutedTokens(hidden_states, token_ids, layer.combine_options,
+                              reused=in_global_memory_buffer(hidden_states))
         return routed, tokens_per_expert, row_probs
 
     def combine_preprocess(expert_output):

@@ -8,6 +8,12 @@ reads each row through that index, and the rows' input gradients are summed per 
 (`fp32_combine`; deterministic with its triton backend), rounded once. Paths that need the rows
 contiguous (grouped_mm, moe_apply_probs_on_input, a per-expert adapter's down projection on fc1)
 gather them with `rows()`, whose backward is that same sum.
+
+The tokens may be a buffer that Megatron rewrites after this layer's forward: on the allgather
+dispatcher with TP x EP > 1 they are its global all-gather buffer
+(`get_global_memory_buffer().get_tensor(..., "mpu")`), which the next layer's gather (and a
+sequence-parallel linear's) overwrites. Nothing may save them for backward then (`reused`):
+what needs them there saves `tokens_to_save()`, a copy; everything else saves the row index.
 """
 
 import functools
@@ -20,11 +26,18 @@ from .combine import CombineOptions, fp32_combine
 
 class RoutedTokens(NamedTuple):
     """tokens [T, H] and token_ids [N] (int64, the token of each row, rows grouped by local
-    expert in order, as Megatron's permute orders them); `combine` sums row gradients."""
+    expert in order, as Megatron's permute orders them); `combine` sums row gradients; `reused`:
+    the tokens are a buffer rewritten after this forward, which backward must not read."""
 
     tokens: torch.Tensor
     token_ids: torch.Tensor
     combine: CombineOptions
+    reused: bool = False
+
+    def tokens_to_save(self) -> torch.Tensor:
+        """The tokens as a tensor autograd may save for backward: a copy [T, H] when they are a
+        reused buffer (T rows, where Megatron's permute copies N = T x topk), else the tokens."""
+        return self.tokens.clone() if self.reused else self.tokens
 
     @property
     def num_rows(self) -> int:

@@ -197,3 +197,28 @@ def test_checkpoints_load_both_ways_across_layouts(checkpoints):
 
 def test_cpu_launch_reports_the_te_grouped_mlp_checkpoint_chains_skipped(checkpoints):
     assert_te_rows_skipped(checkpoints.results(), "te_round_trips")
+
+
+@pytest.fixture(scope="module", params=["shared", "per_expert"])
+def adapters_after_reused_buffer(request, tmp_path_factory):
+    pytest.importorskip("triton", reason="triton is not installed: the fused kernels are untested")
+    launch = torchrun("adapters_after_reused_buffer.py", 2,
+                      ["--ep", "2", "--adapter", request.param],
+                      tmp_path_factory.mktemp(f"reused_buffer_{request.param}"))
+    return request.param, launch
+
+
+def test_adapters_train_from_their_own_tokens_after_the_next_gather(adapters_after_reused_buffer):
+    """LoRA on the experts (shared and per expert) in two FP32CombineMoELayers on the allgather
+    dispatcher at EP=2, fused kernels (the worker runs them under the Triton interpreter): the
+    experts read Megatron's global all-gather buffer in place, and the second layer's gather
+    rewrites it before the first layer's backward. Backward runs (gloo used to refuse it: the
+    shared fc1 adapter had saved the buffer for A's gradient), and the output, the input gradient
+    and every adapter factor's gradient of both layers match the FP64 reference on every rank."""
+    adapter, launch = adapters_after_reused_buffer
+    assert launch.returncode == 0, launch.output[-8000:]
+    for rank in launch.results():
+        assert rank["experts_input"] == ["RoutedTokens", "RoutedTokens"], rank
+        worst = max(rank["errors"].values())
+        assert worst <= rank["tolerance"], (adapter, rank["rank"], rank["errors"])
+        assert len(rank["errors"]) == 2 + 2 * 2 * 2  # out, grad_x; 2 layers x 2 linears x A, B

@@ -79,10 +79,14 @@ def _factor_grad(left, right, offs, grouped_mm, num_experts: int, per_expert: bo
 def lora_down(x, term: LoRATerm, offs, grouped_mm, routed=None):
     """scale * x @ A.T [T, r] (per expert: A[e] for expert e's rows), through autograd (the
     adapter's A and x get their gradients from it). With `routed` (x its tokens): the rows'
-    [N, r], shared factors applied to the tokens before the gather, per-expert ones after."""
+    [N, r], shared factors applied to the tokens before the gather (A's gradient reads the
+    tokens: a copy of them when they are a reused buffer), per-expert ones after (the gathered
+    rows are a copy already)."""
     if routed is not None:
         if term.per_expert:
             return lora_down(routed.rows(), term, offs, grouped_mm)
+        if term.a.requires_grad and torch.is_grad_enabled():
+            x = routed.tokens_to_save()
         return routed.rows(torch.nn.functional.linear(x, term.a) * term.scale)
     if term.per_expert:
         if x.shape[0] == 0:
