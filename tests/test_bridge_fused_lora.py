@@ -197,15 +197,24 @@ def _hooked(bridge, pg):
     return experts, "adapter's linear_in carry hooks"
 
 
+def _hooked_disabled(bridge, pg):
+    """Bridge's wrapper with its adapter disabled still runs the wrapper's own hooks."""
+    experts = experts_with_bridge_lora(bridge, pg, LAYOUTS["shared"])[1]
+    experts.linear_fc1.disable_adapter_layers()
+    experts.linear_fc1.register_forward_hook(lambda *args: None)
+    return experts, "Bridge's LoRALinear carry hooks"
+
+
 UNFUSABLE = {"dropout": _dropout, "shared_outer": _shared_outer, "fp32_adapters": _fp32_adapters,
-             "hooked": _hooked}
+             "hooked": _hooked, "hooked_disabled": _hooked_disabled}
 
 
 @pytest.mark.parametrize("case", list(UNFUSABLE))
 def test_forced_fused_gemm_refuses_bridge_adapters_it_cannot_compute(bridge, megatron_cpu, case):
     """Dropout, the shared-outer layout (mixed factors), adapters in another dtype, hooks on
-    the adapter's linears: a forced "fused_gemm" refuses, naming linear_fc1 and the setting,
-    on the CPU too (the adapter check comes before the device check)."""
+    the adapter's linears or on the wrapper of a disabled adapter: a forced "fused_gemm"
+    refuses, naming linear_fc1 and the setting, on the CPU too (the adapter check comes before
+    the device check)."""
     pytest.importorskip("triton")
     experts, reason = UNFUSABLE[case](bridge, megatron_cpu)
     x, probs, _ = inputs()

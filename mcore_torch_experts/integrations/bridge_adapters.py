@@ -136,7 +136,8 @@ def fused_bridge_lora(linear: torch.nn.Module, linear_type: type,
                       x: torch.Tensor) -> Optional[FusedAdapter]:
     """The fused expert kernels' view of Bridge's LoRALinear around a `linear_type` (exactly
     that class), else None; kernels/choice.ADAPTER_READERS. A disabled adapter is no term (Bridge
-    then runs the base alone); the shared (ParallelLinearAdapter) and per-expert
+    then runs the base alone, and calls no adapter module: only the wrapper's hooks would run);
+    the shared (ParallelLinearAdapter) and per-expert
     (GroupedExpertLinearAdapter) layouts are read through their weights as Bridge's forward reads
     them, scale alpha / dim; anything the kernels would compute differently is an obstacle."""
     from megatron.bridge.peft import utils
@@ -146,7 +147,7 @@ def fused_bridge_lora(linear: torch.nn.Module, linear_type: type,
         return None
     base, adapter = linear.to_wrap, linear.adapter
     if not linear._adapter_enabled:
-        return FusedAdapter(base)
+        return FusedAdapter(base, obstacle=hooked({"Bridge's LoRALinear": linear}))
     if type(adapter) is utils.ParallelLinearAdapter:
         read = lambda: (adapter.linear_in.weight, adapter.linear_out.weight,  # noqa: E731
                         adapter.alpha / adapter.dim)
