@@ -18,7 +18,7 @@ combine reads fc2's rows in place. The alltoall dispatcher permutes before its a
 rank's rows must be contiguous to be sent), so its experts get the permuted buffer.
 """
 
-from typing import List
+from typing import List, Sequence, Union
 
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -62,14 +62,18 @@ class FP32CombineMoELayer(MoELayer):
         return summed.to(permuted.dtype)
 
 
-def convert_moe_layers_to_fp32_combine(model: torch.nn.Module) -> List[str]:
-    """Make every MoELayer of an already built `model` (exactly MoELayer, not a subclass) an
-    FP32CombineMoELayer, in place: the same module objects, parameters and state-dict keys, its
-    combine settings read from each layer's config. Every layer's config is checked first
-    (validate_fp32_combine_config), so a refusal leaves the model unchanged. Returns the
-    converted layers' qualified names. For models someone else's provider builds; call it
+def convert_moe_layers_to_fp32_combine(
+        model: Union[torch.nn.Module, Sequence[torch.nn.Module]]) -> List[str]:
+    """Make every MoELayer of an already built `model` (a module, or a list of model chunks as
+    Megatron-LM's get_model and Megatron-Bridge's providers return; exactly MoELayer, not a
+    subclass) an FP32CombineMoELayer, in place: the same module objects, parameters and
+    state-dict keys, its combine settings read from each layer's config. Every layer's config is
+    checked first (validate_fp32_combine_config), so a refusal leaves the model unchanged.
+    Returns the converted layers' qualified names (prefixed by the chunk's index for a list, as
+    convert_experts_to_torch names them). For models someone else's provider builds; call it
     after convert_experts_to_torch to have the experts read their rows in place."""
-    layers = [(name, module) for name, module in model.named_modules()
+    root = torch.nn.ModuleList(model) if isinstance(model, (list, tuple)) else model
+    layers = [(name, module) for name, module in root.named_modules()
               if type(module) is MoELayer]
     for _, layer in layers:
         validate_fp32_combine_config(layer.config, "convert_moe_layers_to_fp32_combine")

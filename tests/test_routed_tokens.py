@@ -334,6 +334,39 @@ def test_built_moe_layers_convert_to_fp32_combine_in_place(megatron_world):
     assert convert_moe_layers_to_fp32_combine(model) == []  # already converted
 
 
+def test_model_chunks_convert_as_convert_experts_to_torch_takes_them(megatron_world):
+    """docs/specs.md's two calls on a list of model chunks (what Megatron-LM's get_model and
+    Bridge's providers return), each holding Megatron's MoELayer with SequentialMLP experts:
+    convert_experts_to_torch, then convert_moe_layers_to_fp32_combine, both on the list. Every
+    chunk's layer is converted and named as the first call names it; its TorchGroupedMLP experts
+    read the rows in place and give the output and input gradient of Megatron's untouched layer."""
+    from mcore_torch_experts import convert_experts_to_torch, convert_moe_layers_to_fp32_combine
+    from mcore_torch_experts.experts import TorchGroupedMLP
+
+    chunks = [torch.nn.ModuleDict({"mlp": layer_pair(backend="transformer_engine")[1]})
+              for _ in range(2)]
+    megatron = layer_pair(backend="transformer_engine")[1]
+    assert type(megatron.experts).__name__ == "SequentialMLP"
+    assert convert_experts_to_torch(chunks).names == ["0.mlp.experts", "1.mlp.experts"]
+    assert convert_moe_layers_to_fp32_combine(chunks) == ["0.mlp", "1.mlp"]
+    x = torch.randn(TOKENS, 1, HIDDEN, device=DEVICE).bfloat16()
+    grad = torch.randn_like(x)
+    x_theirs = x.clone().requires_grad_(True)
+    out_megatron, _ = megatron(x_theirs)
+    out_megatron.backward(grad)
+    for chunk in chunks:
+        layer = chunk["mlp"]
+        assert type(layer) is FP32CombineMoELayer and type(layer.experts) is TorchGroupedMLP
+        inputs = record_expert_inputs(layer)
+        x_ours = x.clone().requires_grad_(True)
+        out, _ = layer(x_ours)
+        out.backward(grad)
+        assert isinstance(inputs[0], RoutedTokens)
+        assert rel_err(out, out_megatron) < 1e-2
+        assert rel_err(x_ours.grad, x_theirs.grad) < 2e-2
+    assert convert_moe_layers_to_fp32_combine(chunks) == []  # already converted
+
+
 def test_conversion_refuses_before_it_changes_a_layer(megatron_world):
     """A layer whose config the combine cannot run is named, and no layer is converted."""
     from mcore_torch_experts import TorchExpertsConfigError, convert_moe_layers_to_fp32_combine
