@@ -40,6 +40,7 @@ from .kernels.choice import (
     fused_gemm_obstacle,
     read_fused_adapter,
     resolve_kernels,
+    run_param_gather_hooks,
 )
 from .kernels.grouped_gemm import Splits, find_grouped_mm, frozen_grouped_linear, group_offsets
 from .packing import PackedExpertWeights
@@ -54,9 +55,10 @@ _BUILT: "weakref.WeakSet[TorchGroupedMLP]" = weakref.WeakSet()
 _summary_logged = False
 
 
-def experts_summary() -> str:
+def experts_summary(first_call: Optional[str] = None) -> str:
     """One line on the TorchGroupedMLP modules alive in this process: how many, their expert
-    weights (how many frozen, packed size) and the kernels they run."""
+    weights (how many frozen, packed size) and the kernels they run: `first_call`, the path the
+    first forward took, where given; else each module's kernels on its weights' device."""
     modules = sorted(_BUILT, key=id)
     linears = [linear for m in modules for linear in m.modules()
                if isinstance(linear, TorchGroupedLinear)]  # adapter wrappers hold them
@@ -65,19 +67,20 @@ def experts_summary() -> str:
     gib = sum(linear.packed_weight.numel() * linear.packed_weight.element_size()
               for linear in linears) / 2**30
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    kernels = sorted({f"{m.grouped_mm_name}, expert kernel {m.kernels.expert_kernel}, "
-                      f"activation {m.kernels.activation}" for m in modules})
+    kernels = ([first_call] if first_call is not None else
+               sorted({m.path_taken(m.kernels.expert_kernel == ExpertKernel.FUSED_GEMM,
+                                    m.linear_fc1.packed_weight.is_cuda) for m in modules}))
     return (f"mcore_torch_experts: rank {rank} runs TorchGroupedMLP experts in {len(modules)} "
             f"MoE layer(s): {len(weights)} expert weights ({gib:.2f} GiB packed), {frozen} of them "
             f"frozen; {'; '.join(kernels)}")
 
 
-def _log_summary_once() -> None:
+def _log_summary_once(first_call: str) -> None:
     """Log experts_summary() at the first forward of any TorchGroupedMLP in this process (every
-    module is built by then)."""
+    module is built by then), with the path that forward takes."""
     global _summary_logged
     _summary_logged = True
-    logger.info(experts_summary())
+    logger.info(experts_summary(first_call))
 
 
 def _expert_rng_fork():
@@ -308,8 +311,6 @@ class TorchGroupedMLP(MegatronModule):
         the fc1 input gradient, which MoELayer (0.19) passes only when set. As on TEGroupedMLP's
         path without the TE op fuser, a buffer is refused: the config refusal
         (moe_ncclep_zero_copy) keeps the dispatcher from making them."""
-        if not _summary_logged:
-            _log_summary_once()
         if output_buffer is not None or grad_input_buffer is not None:
             given = [name for name, buffer in (("output_buffer", output_buffer),
                                                ("grad_input_buffer", grad_input_buffer))
@@ -326,12 +327,15 @@ class TorchGroupedMLP(MegatronModule):
             hidden, routed = (hidden if routed is None else routed.rows()), None
             hidden = (probs * hidden).to(hidden.dtype)
             probs = None
-        if self._runs_fused_gemm(hidden):
+        fused_gemm = self._runs_fused_gemm(hidden)
+        if not _summary_logged:
+            _log_summary_once(self.path_taken(fused_gemm, hidden.is_cuda))
+        if fused_gemm:
             return self._fused_forward(hidden, tokens_per_expert, permuted_probs, routed), None
         if routed is not None:
             hidden = routed.rows()
         fc1_out, _ = self.linear_fc1(hidden, tokens_per_expert)
-        if self.kernels.activation == ActivationImpl.FUSED and fc1_out.is_cuda:
+        if self._fused_activation(fc1_out.is_cuda):
             from .kernels.activation_triton import fused_activation_probs
 
             act = fused_activation_probs(self.config, fc1_out, permuted_probs)
@@ -342,6 +346,20 @@ class TorchGroupedMLP(MegatronModule):
         out, _ = self.linear_fc2(act, tokens_per_expert)
         return out, None
 
+    def _fused_activation(self, on_cuda: bool) -> bool:
+        """Whether the grouped_mm path applies activation x probs with the Triton kernel: where
+        it covers the config, on CUDA tensors; torch ops otherwise."""
+        return self.kernels.activation == ActivationImpl.FUSED and on_cuda
+
+    def path_taken(self, fused_gemm: bool, on_cuda: bool) -> str:
+        """The path of a call, as the log line names it: the grouped GEMM entry point, the expert
+        kernel and where activation x probs runs."""
+        if fused_gemm:
+            return (f"{self.grouped_mm_name}, expert kernel {ExpertKernel.FUSED_GEMM}, activation "
+                    "in its fc1 epilogue")
+        activation = ActivationImpl.FUSED if self._fused_activation(on_cuda) else ActivationImpl.EAGER
+        return f"{self.grouped_mm_name}, expert kernel {ExpertKernel.GROUPED_MM}, activation {activation}"
+
     def _fused_forward(self, hidden, tokens_per_expert, permuted_probs, routed=None):
         """The fused GEMM path: the packed weights, and the LoRA term of each linear's adapter;
         with `routed`, hidden is its tokens and fc1 reads the rows through its index."""
@@ -349,6 +367,7 @@ class TorchGroupedMLP(MegatronModule):
 
         bases, terms = [], []
         for linear in (self.linear_fc1, self.linear_fc2):
+            run_param_gather_hooks(linear, (hidden,))  # the calls this path replaces would
             view = read_fused_adapter(linear, TorchGroupedLinear, hidden)
             base = view.base
             bases.append(base)

@@ -344,3 +344,31 @@ def test_the_first_forward_logs_once_what_this_process_runs(megatron_cpu, monkey
     assert lines[0].startswith(
         f"mcore_torch_experts: rank 0 runs TorchGroupedMLP experts in 2 MoE layer(s): 16 expert "
         f"weights ({gib:.2f} GiB packed), 15 of them frozen; ")
+
+
+def test_the_log_line_names_the_path_the_first_forward_takes(megatron_cpu, monkeypatch, caplog):
+    """On the CPU the activation runs as torch ops even where the Triton activation kernel covers
+    the config (kernels.activation "fused", for CUDA tensors): the line says so; the output is
+    the FP64 loop's."""
+    import weakref
+
+    from mcore_torch_experts import experts as experts_module
+
+    monkeypatch.setattr(experts_module, "_BUILT", weakref.WeakSet())
+    monkeypatch.setattr(experts_module, "_summary_logged", False)
+    config = make_config(hidden=HIDDEN)
+    module = TorchGroupedMLP(4, config, pg_collection=megatron_cpu)
+    pytest.importorskip("triton", reason="without triton the activation is eager everywhere")
+    assert module.kernels.activation == "fused"  # resolved for CUDA tensors
+    x, probs = torch.randn(8, HIDDEN).bfloat16(), torch.rand(8)
+    splits = [2, 3, 0, 3]
+    with caplog.at_level("INFO", logger="mcore_torch_experts"), torch.no_grad():
+        out, _ = module(x, splits, probs)
+    lines = [r.getMessage() for r in caplog.records if r.name == "mcore_torch_experts"]
+    assert len(lines) == 1
+    assert lines[0].endswith(f"; {module.grouped_mm_name}, expert kernel grouped_mm, "
+                             "activation eager"), lines[0]
+    weights = [torch.stack(linear.expert_weights()).double()
+               for linear in (module.linear_fc1, module.linear_fc2)]
+    assert rel_err(out, fp64_experts(config, *weights, x.double(), splits, probs)) < TOL[
+        torch.bfloat16]

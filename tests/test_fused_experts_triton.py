@@ -440,3 +440,77 @@ def test_torch_grouped_mlp_fused_gemm_with_adapters_matches_grouped_mm(megatron_
     frozen = _forward_backward(experts, x, splits, probs, grad)
     assert len(frozen) == 3 and len(calls) == 3
     assert all(torch.equal(a, b) for a, b in zip(frozen, fused[:3]))
+
+
+# --- Megatron's DistributedDataParallel ----------------------------------------------------------
+
+@pytest.mark.triton_interpreter
+@pytest.mark.skipif(torch.cuda.is_available(),  # decided before a child interpreter starts
+                    reason="on a CUDA host the kernels run compiled, on the GPU (tests/test_gpu.py)")
+@pytest.mark.parametrize("kind", ["shared", "per_expert"])
+def test_forced_fused_gemm_runs_megatron_ddps_param_all_gather_hooks(megatron_cpu, kind,
+                                                                      monkeypatch):
+    """Megatron's DistributedDataParallel with the distributed optimizer and overlap_param_gather
+    puts a forward pre-hook on every module; on the adapters' linears (the trainable parameters)
+    it waits for their all-gather. A forced "fused_gemm" runs those hooks itself, for every module
+    it does not call, before the kernels read the weights: each bucket's all-gather is finished
+    by then, and output and gradients match the FP64 loop. Another hook beside DDP's still
+    refuses."""
+    pytest.importorskip("triton", reason="triton is not installed: the fused kernels are untested")
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from mcore_torch_experts import apply_lora
+    from mcore_torch_experts.kernels import fused_experts as fused_module
+
+    config = make_config(activation="squared_relu", glu=False, moe_expert_kernel="fused_gemm")
+    root = torch.nn.Module()
+    root.mlp = torch.nn.Module()
+    root.mlp.experts = TorchGroupedMLP(config.num_moe_experts, config, pg_collection=megatron_cpu)
+    apply_lora(root, ["linear_fc1", "linear_fc2"], rank=8, alpha=16.0, expert_adapter=kind)
+    experts = root.mlp.experts
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in root.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    ddp = DistributedDataParallel(
+        config, DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                              overlap_grad_reduce=True, overlap_param_gather=True),
+        root)
+    adapter_params = [p for p in root.parameters() if p.requires_grad]
+    groups = {id(ddp.param_to_bucket_group[p]): ddp.param_to_bucket_group[p]
+              for p in adapter_params}
+    assert groups and all(experts.linear_fc1.to_wrap._forward_pre_hooks.values())
+    events = []
+    for group in groups.values():
+        real_finish = group.finish_param_sync
+        monkeypatch.setattr(group, "finish_param_sync", lambda *a, f=real_finish, **k:
+                            events.append("all-gather finished") or f(*a, **k))
+    real = fused_module.fused_experts
+    monkeypatch.setattr(fused_module, "fused_experts",
+                        lambda *a, **k: events.append("kernels") or real(*a, **k))
+    ddp.zero_grad_buffer()  # a new iteration: the parameters' all-gathers are pending again
+    assert not any(group.param_gather_dispatched for group in groups.values())
+    splits = [5, 0, 7, 4]
+    x = torch.randn(sum(splits), config.hidden_size, generator=gen).bfloat16()
+    probs, grad = torch.rand(sum(splits), generator=gen), torch.randn(x.shape, generator=gen)
+    xk = x.clone().requires_grad_(True)
+    out, _ = experts(xk, splits, probs)
+    out.backward(grad.bfloat16())
+    assert events[-1] == "kernels" and "all-gather finished" in events[:-1], events
+    assert all(g.param_gather_dispatched and g.param_gather_handle is None
+               for g in groups.values())
+    effective = []
+    for linear in (experts.linear_fc1, experts.linear_fc2):
+        adapter = linear.adapter
+        a, b = adapter.linear_in.weight.detach(), adapter.linear_out.weight.detach()
+        effective.append(_fp64_effective(torch.stack(linear.to_wrap.expert_weights()), a.double(),
+                                         b.double(), adapter.scale))
+    x64 = x.double().requires_grad_(True)
+    ref = fp64_experts(config, *effective, x64, splits, probs)
+    ref.backward(grad.double())
+    assert rel_err(out, ref) < 2e-2 and rel_err(xk.grad, x64.grad) < 2e-2
+    assert all(p.main_grad.abs().sum() > 0 for p in adapter_params)  # DDP's buffers got them
+    experts.linear_fc2.adapter.linear_in.register_forward_pre_hook(lambda *args: None)
+    with pytest.raises(RuntimeError, match="linear_fc2's adapter's linear_in carry hooks"):
+        experts(x, splits, probs)

@@ -10,7 +10,9 @@ measured faster.
 """
 
 import enum
+import functools
 import os
+import types
 from dataclasses import dataclass
 from typing import Callable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
@@ -126,14 +128,47 @@ def resolve_kernels(config) -> KernelChoice:
     return KernelChoice(setting, expert_kernel, activation)
 
 
+@functools.lru_cache(maxsize=None)
+def _param_gather_hook_code() -> frozenset:
+    """The code of the forward pre-hook that Megatron's DistributedDataParallel puts on every
+    module under the distributed optimizer with overlap_param_gather (Megatron-LM's
+    --overlap-param-gather, Bridge's and NeMo-RL's recipes): it only waits for the all-gather of
+    the module's own trainable parameters (and starts the next bucket's), ignoring its input."""
+    try:
+        from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+    except ImportError:
+        return frozenset()
+    make = DistributedDataParallel._make_forward_pre_hook
+    return frozenset(c for c in make.__code__.co_consts if isinstance(c, types.CodeType))
+
+
+def is_param_gather_hook(hook) -> bool:
+    """Whether `hook` is Megatron DDP's parameter all-gather pre-hook (_param_gather_hook_code):
+    the fused path runs it (run_param_gather_hooks) instead of counting it as a hook it skips."""
+    return getattr(hook, "__code__", None) in _param_gather_hook_code()
+
+
 def has_hooks(module: torch.nn.Module) -> bool:
-    """Whether calling `module` runs hooks: its own forward or backward hooks, or global module
-    hooks (`torch.nn.modules.module.register_module_*_hook`)."""
+    """Whether calling `module` runs hooks the fused path would skip: its own forward or backward
+    hooks, or global module hooks (`torch.nn.modules.module.register_module_*_hook`). Megatron
+    DDP's parameter all-gather pre-hooks do not count: the fused path runs them."""
     hooks = torch.nn.modules.module
-    return any((module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+    pre_hooks = [h for h in module._forward_pre_hooks.values() if not is_param_gather_hook(h)]
+    return any((module._forward_hooks, pre_hooks, module._backward_hooks,
                 module._backward_pre_hooks, hooks._global_forward_hooks,
                 hooks._global_forward_pre_hooks, hooks._global_backward_hooks,
                 hooks._global_backward_pre_hooks))
+
+
+def run_param_gather_hooks(module: torch.nn.Module, args: tuple) -> None:
+    """Run Megatron DDP's parameter all-gather pre-hooks of `module` and its submodules, in the
+    order their calls would (a module before its children), as calling them would: the fused
+    path reads their parameters without calling them, and the all-gathers must have finished
+    (a parameter of the distributed optimizer is stale until then). Waiting twice is a no-op."""
+    for sub in module.modules():
+        for hook in list(sub._forward_pre_hooks.values()):
+            if is_param_gather_hook(hook):
+                hook(sub, args)
 
 
 class FusedAdapter(NamedTuple):
