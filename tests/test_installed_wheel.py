@@ -24,6 +24,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -37,7 +38,7 @@ import megatron.core
 import pytest
 
 import mcore_torch_experts
-from doc_snippets import PUBLISHED, snippets
+from doc_snippets import PUBLISHED, README_MD, snippet, snippets
 from mcore_torch_experts import specs
 from megatron_lm_worker import documented_flags
 from spec_support import LAUNCHER_ENTRY_POINTS
@@ -195,20 +196,29 @@ def built(tmp_path_factory):
     }
 
 
+def megatron_environment(venv: Path) -> Path:
+    """A fresh venv at `venv` that already holds this leg's torch, megatron-core and einops (an
+    existing Megatron environment; the module docstring says how); its python."""
+    run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv])
+    python = venv / "bin" / "python"
+    site = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
+    site = Path(site.strip().splitlines()[-1])
+    (site / "leg_site_packages.pth").write_text("\n".join(leg_site_folders()) + "\n")
+    return python
+
+
 @pytest.fixture(scope="module")
 def installed(built):
     """The wheel installed in a fresh venv; what the worker found there (installed_wheel_worker)."""
     root = built["root"]
     venv = root / "venv"
-    run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv])
-    python = venv / "bin" / "python"
+    python = megatron_environment(venv)
     # This leg's pip, installing into the venv's interpreter; --no-deps: the requirements are
     # checked against the leg instead (the worker's requirements_unmet), nothing is fetched.
     run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index",
          "--disable-pip-version-check", "-q", built["wheel"]])
     site = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
     site = Path(site.strip().splitlines()[-1])
-    (site / "leg_site_packages.pth").write_text("\n".join(leg_site_folders()) + "\n")
     words = documented_flags()
     inputs = {
         "venv": str(venv),
@@ -388,3 +398,46 @@ def test_every_launcher_entry_point_builds_what_its_name_says_from_the_wheel(ins
     for _, experts_class, path in rows:
         if experts_class == "TorchGroupedMLP":
             assert in_folder(path, installed["site"]), path
+
+
+# --- the documented pip lines ---------------------------------------------------------------------
+
+
+def documented_pip_lines() -> list:
+    """The pip commands of README.md's readme-install and docs/enable.md's pip-install snippets,
+    as words, comments dropped, each once."""
+    lines = [*snippet("readme-install", README_MD).splitlines(),
+             *snippet("pip-install").splitlines()]
+    found = []
+    for line in lines:
+        words = shlex.split(line, comments=True)
+        if words and words not in found:
+            found.append(words)
+    return found
+
+
+def test_the_documented_pip_lines_install_the_package_only_into_a_megatron_environment(
+        built, tmp_path):
+    """Each documented line, run as written in a copy of the repository (what a clone holds) with
+    the offline options docs/enable.md names, into a venv that already holds the leg's torch,
+    megatron-core and einops: pip installs this package and nothing else (with `--no-deps` and
+    without), and the package imports from that venv, megatron-core the leg's."""
+    lines = documented_pip_lines()
+    assert [words[:2] for words in lines] == [["pip", "install"]] * 2
+    assert sorted(words[2:] for words in lines) == [["--no-deps", "."], ["."]]
+    for number, words in enumerate(lines):
+        python = megatron_environment(tmp_path / f"venv{number}")
+        output = run([sys.executable, "-m", "pip", "--python", python, *words[1:], "--no-index",
+                      "--no-build-isolation", "--disable-pip-version-check"],
+                     cwd=built["root"] / "repository")
+        installed = [line for line in output.splitlines() if line.startswith("Successfully installed")]
+        assert installed == [f"Successfully installed {NAME}-{source_version()}"], output[-3000:]
+        workdir = tmp_path / f"cwd{number}"
+        workdir.mkdir()
+        output = run([python, "-c", "import json, megatron.core, mcore_torch_experts.specs as s; "
+                      "print('FOUND', json.dumps([s.__file__, megatron.core.__file__]))"],
+                     cwd=workdir)
+        found = json.loads(next(line[6:] for line in output.splitlines()
+                                if line.startswith("FOUND ")))
+        assert in_folder(found[0], tmp_path / f"venv{number}"), found
+        assert os.path.realpath(found[1]) == os.path.realpath(megatron.core.__file__)
