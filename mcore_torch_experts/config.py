@@ -193,8 +193,10 @@ def _check_supported_settings(config: TransformerConfig) -> None:
     if dtype == torch.float16 or (dtype != torch.bfloat16 and not config.use_cpu_initialization):
         _refuse("params_dtype", dtype,
                 "grouped GEMM runs BF16 expert weights on CUDA; set bf16=True and "
-                "params_dtype=torch.bfloat16 (float32 works only for CPU tests with "
-                "use_cpu_initialization=True).")
+                "params_dtype=torch.bfloat16 (float32 works only for CPU runs with "
+                "use_cpu_initialization=True: Megatron-LM's --use-cpu-initialization, a "
+                "Bridge provider's provide_distributed_model(use_cpu_initialization=True), "
+                "Bridge's load_megatron_model(path, use_cpu_init=True)).")
     recompute_modules = getattr(config, "recompute_modules", None) or []
     if config.recompute_granularity == "selective" and "moe_act" in recompute_modules:
         _refuse("recompute_modules", list(recompute_modules),
