@@ -10,7 +10,7 @@ writes a table: ms per iteration (median and range), tokens/s, losses.
 
     python3 benchmarks/bridge_finetune_run.py --out-dir OUT [--iters 12] [--expert-adapters shared]
 
-One torchrun per phase (`--phase NAME` runs it in the worker); scripts/gpu_bridge_finetune.sh
+One torchrun per phase (`--phase NAME` runs it in the worker); scripts/gpu_client_routes.sh
 installs what Bridge's training modules import and runs this.
 """
 
@@ -36,7 +36,11 @@ SLICE = dict(num_layers=4, hidden_size=2048, num_attention_heads=32, num_query_g
              add_bias_linear=False, qk_layernorm=True, position_embedding_type="rope",
              rotary_base=1_000_000, share_embeddings_and_output_weights=False,
              hidden_dropout=0.0, attention_dropout=0.0, vocab_size=32768,
-             make_vocab_size_divisible_by=128, seq_length=4096)
+             make_vocab_size_divisible_by=128, seq_length=4096,
+             # Megatron's gradient-accumulation fusion needs APEX's CUDA extension, which the
+             # H200 image lacks (every arm fails without it, the stock one too; Megatron-LM's
+             # route passes --no-gradient-accumulation-fusion for the same reason).
+             gradient_accumulation_fusion=False)
 SEQUENCES, MICRO_BATCH = 4, 1
 PHASES = {
     # name: (experts, train_iters, what it loads, where it saves)
@@ -112,7 +116,7 @@ def worker(phase: str, out: Path, iters: int, expert_adapters: str) -> None:
     record = Record()
     cfg = config(phase, out, iters, expert_adapters)
     (pretrain if phase == "pretrain" else finetune)(cfg, forward_step, callbacks=[record])
-    if torch.distributed.get_rank() == 0:
+    if int(os.environ["RANK"]) == 0:   # Bridge's training entry destroys the process group
         (out / f"{phase}.json").write_text(json.dumps(dict(
             model=record.model, steps=record.steps,
             peak_gib=torch.cuda.max_memory_allocated() / 2**30)))

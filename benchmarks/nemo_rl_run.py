@@ -50,12 +50,17 @@ ARMS = {
     "torch-full": ("torch", False, False, False),
 }
 REPO = Path(__file__).resolve().parents[1]
+# What the arms import besides the package: the CPU test's worker helpers (tests/workers), the
+# docs' snippets (tests) and the tiny checkpoint's example (examples).
+PATHS = [str(REPO), str(Path(__file__).parent), str(REPO / "tests"), str(REPO / "tests/workers"),
+         str(REPO / "examples")]
 
 
 def make_checkpoint(path: Path) -> None:
     """The HF checkpoint (BF16, random weights from MODEL) and its tokenizer."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    sys.path[:0] = PATHS
     import nemo_rl_worker_run as shared
 
     torch.manual_seed(0)
@@ -88,6 +93,11 @@ def worker(arm: str, out: Path, steps: int) -> None:
     from mcore_torch_experts.testing import bridge_imports
 
     kind, peft, _, resumed = ARMS[arm]
+    import ray
+
+    # The worker runs in this process rather than in a Ray actor placed on one GPU: the GPU id
+    # Ray gives such an actor (its __init__ reads it for the local rank).
+    ray.get_gpu_ids = lambda: [0]
     bridge_imports.import_megatron_bridge()
     from nemo_rl.algorithms.loss.loss_functions import ClippedPGLossConfig, ClippedPGLossFn
     from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorkerImpl
@@ -103,6 +113,7 @@ def worker(arm: str, out: Path, steps: int) -> None:
                   logprob_batch_size=1, max_total_sequence_length=SEQ, generation=None)
     policy["sequence_packing"]["enabled"] = False
     policy["dynamic_batching"]["enabled"] = False
+    policy["megatron_cfg"]["train_iters"] = steps   # what grpo.py sets from its step count
     policy["megatron_cfg"]["optimizer"].update(lr=1e-4, min_lr=1e-4)
     policy["megatron_cfg"]["scheduler"].update(lr_warmup_iters=0, lr_warmup_init=1e-4)
     recipe = load_config(str(nemo_rl_configs() / shared.NEMO_RL_CONFIG))
@@ -178,9 +189,7 @@ def run_arm(arm: str, out: Path, args) -> dict:
     env = dict(os.environ)
     if ARMS[arm][2]:
         env["NVTE_USE_CUTLASS_GROUPED_GEMM"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO), str(Path(__file__).parent), str(REPO / "tests"), str(REPO / "tests/workers"),
-         str(REPO / "examples"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(PATHS + [env.get("PYTHONPATH", "")])
     command = [sys.executable, __file__, "--arm", arm, "--out-dir", str(out),
                "--steps", str(args.steps)]
     start = time.time()

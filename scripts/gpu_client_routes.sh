@@ -19,8 +19,8 @@
 # where it exists: ../shared/te-h200/README.md). Each stack is installed once into /tmp/stack-X
 # from the wheels scripts/gpu_stack_wheels.sh makes (WHEELS, default .whl): megatron-core and
 # Bridge; nvidia-resiliency-ext 0.7.0 and what Bridge's training modules and NeMo-RL's worker
-# import, each only where the machine lacks its distribution (transformers: NeMo-RL's bounds, in
-# the 0.20.0 stack); NeMo-RL's source and recipes. Nothing else is stood in for.
+# import, each only where the machine lacks its distribution (transformers and its tokenizers:
+# NeMo-RL's bounds, in the 0.20.0 stack); NeMo-RL's source and recipes. Nothing is stood in for.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:?usage: scripts/gpu_client_routes.sh OUT_DIR [route@stack ...]}"
@@ -43,6 +43,12 @@ install_stack() {  # stack -> /tmp/stack-<stack>, /tmp/stack-<stack>-extra (and 
   rm -rf "$site" "$site-extra" "$site-nrl"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
     "$wheels/$tag"/*.whl || return 1
+  # The megatron-core wheel ships the dataset helpers built but not their Makefile, and Bridge's
+  # and Megatron-LM's training entries run `make` in that folder first (it fails without one):
+  # Megatron-LM's Makefile, with nothing left to build.
+  cp tests/third_party/megatron_lm/core_r0.19.0/megatron/core/datasets/Makefile \
+    "$site/megatron/core/datasets/" && touch "$site"/megatron/core/datasets/helpers_cpp*.so \
+    || return 1
   # One wheel per distribution (NeMo-RL's version where both folders have one), and only those
   # the machine lacks.
   declare -A chosen=()
@@ -52,7 +58,7 @@ install_stack() {  # stack -> /tmp/stack-<stack>, /tmp/stack-<stack>-extra (and 
   done
   local missing=()
   for name in "${!chosen[@]}"; do
-    if [ "$name" = transformers ] || ! PYTHONPATH=$base_path python3 -c \
+    if [ "$name" = transformers ] || [ "$name" = tokenizers ] || ! PYTHONPATH=$base_path python3 -c \
         "import importlib.metadata as m, sys; m.distribution(sys.argv[1])" "$name" 2>/dev/null; then
       missing+=("${chosen[$name]}")
     fi

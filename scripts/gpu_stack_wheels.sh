@@ -56,6 +56,8 @@ import sys
 for line in sys.stdin:
     name, version = line.strip()[2:-len('.dist-info')].rsplit('-', 1)
     print(f'{name}=={version}')")
+# transformers 5.8 asks for tokenizers <= 0.23.0: the version the leg's venv holds.
+download .whl/nrl "tokenizers==$(leg_run 0.20.0 -c "import tokenizers; print(tokenizers.__version__)")"
 for wheel in .whl/nrl/*.whl; do  # carried once
   [ ! -f ".whl/common/${wheel##*/}" ] || rm "$wheel"
 done

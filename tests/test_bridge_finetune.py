@@ -44,7 +44,7 @@ def skip_reason():
     if HAVE_TE:
         return ("the CPU form of the run needs a host without Transformer Engine: where TE "
                 "imports, Megatron's optimizer takes TE's CUDA-only multi-tensor kernels "
-                "(scripts/gpu_bridge_finetune.sh runs the flow on the GPU)")
+                "(scripts/gpu_client_routes.sh runs the flow on the GPU)")
     missing = [name for name in TRAINING_IMPORTS if importlib.util.find_spec(name) is None]
     if missing:
         return (f"Megatron-Bridge's training modules import {', '.join(missing)}, not installed "

@@ -346,17 +346,35 @@ def test_nemo_rl_extension_worker_gives_its_import_the_spec(bridge_run):
     assert bridge_run["nemo_rl_example_reexports"]
 
 
-@pytest.mark.parametrize("fmt", ["megatron_bridge", "megatron_lm"])
-def test_nemo_rl_extension_refuses_a_pretrained_checkpoint_that_skips_the_hf_import(bridge_run,
-                                                                                     fmt):
-    assert bridge_run["nemo_rl_refusals"][fmt] == (
-        f"TorchExpertsConfigError: policy.pretrained_checkpoint.format='{fmt}' (path "
+def test_nemo_rl_extension_refuses_a_megatron_lm_pretrained_checkpoint(bridge_run):
+    assert bridge_run["nemo_rl_refusals"]["megatron_lm"] == (
+        "TorchExpertsConfigError: policy.pretrained_checkpoint.format='megatron_lm' (path "
         "'/checkpoints/iter_0000010'): NeMo-RL builds such a checkpoint's model without its HF "
         "import, where TorchExpertsMegatronPolicyWorker puts the spec, so its experts would be "
         "Megatron's. Remove policy.pretrained_checkpoint and set policy.model_name to the HF "
         "checkpoint (export a Megatron checkpoint to HF first), with "
         "policy.megatron_cfg.force_reconvert_from_hf: true once.")
-    assert bridge_run[f"nemo_rl_{fmt}_left_unset"]  # nothing set on the worker
+    assert bridge_run["nemo_rl_megatron_lm_left_unset"]  # nothing set on the worker
+
+
+def test_nemo_rl_extension_takes_a_bridge_checkpoint_only_where_its_run_config_names_our_spec(
+        bridge_run):
+    """NeMo-RL rebuilds a megatron_bridge pretrained_checkpoint from its run_config.yaml: one
+    saved with the package's spec has TorchGroupedMLP experts and is taken; one without any
+    run_config.yaml, or recording the stock spec, is refused naming what it found."""
+    assert bridge_run["nemo_rl_bridge_checkpoint_ours"] == [
+        "_mamba_stack_spec", "_transformer_layer_spec"]
+    stock = bridge_run["nemo_rl_bridge_checkpoint_stock"]
+    assert stock.startswith("TorchExpertsConfigError: policy.pretrained_checkpoint.format="
+                            "'megatron_bridge' (path ")
+    assert "its run_config.yaml records the spec(s) [" in stock
+    assert "mcore_torch_experts" not in stock.split("records the spec(s)")[1].split("]")[0]
+    assert "transformer_layer_spec is mcore_torch_experts.specs.torch_experts_gpt_spec" in stock
+    missing = bridge_run["nemo_rl_refusals"]["megatron_bridge"]
+    assert missing.startswith("TorchExpertsConfigError: policy.pretrained_checkpoint.format="
+                              "'megatron_bridge' (path '/checkpoints/iter_0000010'): it has no "
+                              "run_config.yaml")
+    assert bridge_run["nemo_rl_megatron_bridge_left_unset"]
 
 
 @pytest.mark.parametrize("role", ["policy", "reference"])

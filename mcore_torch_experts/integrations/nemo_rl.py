@@ -18,6 +18,9 @@ tests/test_nemo_rl.py runs this class's `__init__` (NeMo-RL main's whole worker 
 see docs/enable.md, "NeMo-RL".
 """
 
+from pathlib import Path
+from typing import Optional
+
 import ray
 from nemo_rl.models.policy.utils import get_runtime_env_for_policy_worker
 from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorkerImpl
@@ -26,26 +29,66 @@ from ..errors import TorchExpertsConfigError
 from ..specs import torch_experts_gpt_spec, torch_experts_hybrid_stack_spec
 from .bridge import register_with_megatron_bridge
 
+SPEC_FIELDS = ("transformer_layer_spec", "hybrid_stack_spec", "mamba_stack_spec")
+
+
+def recorded_specs(path) -> Optional[list]:
+    """The `_target_`s of the layer and stack specs that the run_config.yaml of the
+    Megatron-Bridge checkpoint at `path` records, found as NeMo-RL finds it (`path` itself, else
+    the iteration `latest_checkpointed_iteration.txt` names, else the newest `iter_*` folder), or
+    None where there is no run_config.yaml."""
+    import yaml
+
+    root = Path(path)
+    candidates = [root / "run_config.yaml"]
+    tracker = root / "latest_checkpointed_iteration.txt"
+    if tracker.is_file():
+        candidates.append(root / f"iter_{int(tracker.read_text().strip()):07d}" / "run_config.yaml")
+    candidates += [folder / "run_config.yaml" for folder in sorted(root.glob("iter_*"),
+                                                                  reverse=True)]
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        return None
+    model = (yaml.safe_load(found.read_text()) or {}).get("model") or {}
+    return [entry.get("_target_") for entry in (model.get(f) for f in SPEC_FIELDS)
+            if isinstance(entry, dict) and entry.get("_target_")]
+
 
 def enable_torch_experts(worker, config=None) -> None:
     """Let this process's Megatron-Bridge rebuild providers naming the package's specs, register
     TorchGroupedLinear with Bridge's PEFT, and give `worker` the specs NeMo-RL's HF import puts
     on the provider (GPT: torch_experts_gpt_spec; hybrid: torch_experts_hybrid_stack_spec).
 
-    `config` (the worker's policy config): a `pretrained_checkpoint` of format `megatron_bridge`
-    or `megatron_lm` is refused (TorchExpertsConfigError): NeMo-RL skips its HF import for them,
-    and with it the spec, so the experts would silently be Megatron's."""
+    `config` (the worker's policy config): NeMo-RL skips its HF import, where the spec goes, for a
+    `pretrained_checkpoint`. One of format `megatron_bridge` is taken where its run_config.yaml
+    records one of the package's specs (NeMo-RL rebuilds its provider from that file, with
+    TorchGroupedMLP experts) and refused (TorchExpertsConfigError) otherwise; one of format
+    `megatron_lm` (no run_config.yaml: Megatron's experts) is refused."""
     from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix
 
     checkpoint = (config or {}).get("pretrained_checkpoint") or {}
-    if checkpoint.get("format") in ("megatron_bridge", "megatron_lm"):
+    fmt, path = checkpoint.get("format"), checkpoint.get("path")
+    fix = ("Remove policy.pretrained_checkpoint and set policy.model_name to the HF checkpoint "
+           "(export a Megatron checkpoint to HF first), with "
+           "policy.megatron_cfg.force_reconvert_from_hf: true once")
+    if fmt == "megatron_lm":
         raise TorchExpertsConfigError(
-            f"policy.pretrained_checkpoint.format={checkpoint['format']!r} "
-            f"(path {checkpoint.get('path')!r}): NeMo-RL builds such a checkpoint's model without "
-            "its HF import, where TorchExpertsMegatronPolicyWorker puts the spec, so its experts "
-            "would be Megatron's. Remove policy.pretrained_checkpoint and set policy.model_name "
-            "to the HF checkpoint (export a Megatron checkpoint to HF first), with "
-            "policy.megatron_cfg.force_reconvert_from_hf: true once.")
+            f"policy.pretrained_checkpoint.format='megatron_lm' (path {path!r}): NeMo-RL builds "
+            "such a checkpoint's model without its HF import, where "
+            "TorchExpertsMegatronPolicyWorker puts the spec, so its experts would be Megatron's. "
+            f"{fix}.")
+    if fmt == "megatron_bridge":
+        specs = recorded_specs(path) if path else None
+        if not specs or not any(t.startswith("mcore_torch_experts.specs.") for t in specs):
+            found = ("it has no run_config.yaml (looked in the path, the iteration "
+                     "latest_checkpointed_iteration.txt names and the iter_* folders)"
+                     if specs is None else f"its run_config.yaml records the spec(s) {specs}")
+            raise TorchExpertsConfigError(
+                f"policy.pretrained_checkpoint.format='megatron_bridge' (path {path!r}): {found}, "
+                "and NeMo-RL rebuilds the model from that file without its HF import, where "
+                "TorchExpertsMegatronPolicyWorker puts the spec, so its experts would be "
+                "Megatron's. Save the checkpoint from a provider whose transformer_layer_spec is "
+                f"mcore_torch_experts.specs.torch_experts_gpt_spec, or: {fix}.")
     register_allowed_target_prefix("mcore_torch_experts")
     register_with_megatron_bridge()
     worker._transformer_layer_spec = torch_experts_gpt_spec

@@ -168,11 +168,12 @@ def import_megatron_bridge_training():
     nvidia-modelopt, Megatron-Energon, tensorboard and what they import) but one.
 
     `training.pretrain` runs `from nvidia_resiliency_ext.inprocess import CallWrapper`
-    unconditionally (the name is used only with in-process restart on). PyPI's newest
-    nvidia-resiliency-ext, 0.4.1, cannot be installed next to megatron-core 0.19.2: Megatron-Core
-    asks for 0.6+ (not on PyPI) and, finding 0.4.1's async checkpointing modules, reads its
-    missing `__version__` when `megatron.core` is imported (AttributeError). Where the package is
-    missing, a stand-in holding that one name (a class nothing makes) is visible while Bridge's
+    unconditionally (the name is used only with in-process restart on). The package that runs
+    with megatron-core 0.19 and 0.20, nvidia-resiliency-ext 0.7.0, is published only as a cp312
+    manylinux_2_39 wheel: hosts with an older glibc (the CPU legs' Debian 12 has 2.36) cannot
+    install it, and what they can install, 0.4.1, breaks `import megatron.core` (Megatron-Core
+    asks for 0.6+ and reads 0.4.1's missing `__version__`). On the GPU the real package is
+    installed and used (scripts/gpu_client_routes.sh). Where the package is missing, a stand-in holding that one name (a class nothing makes) is visible while Bridge's
     training modules are imported and removed right after; Megatron-Core's dist_checkpointing is
     imported first, so it decides without it. An installed package is used as it is."""
     import importlib

@@ -269,6 +269,20 @@ def nemo_rl_calls(out: Path) -> dict:
     result["nemo_rl_import_experts"] = experts_classes(megatron_model[0])
     write_run_config(megatron_model[0].config, out / "nemo_rl_run_config.yaml")
     save_weights(megatron_model[0], out / "nemo_rl_weights")
+    # Bridge checkpoints (the run_config.yaml of an iteration folder, the tracker naming it) of
+    # this provider and of the same model's stock provider, as policy.pretrained_checkpoint.
+    stock = bridge.to_megatron_provider(load_weights=False)
+    for name, provider in (("ours", megatron_model[0].config), ("stock", stock)):
+        (out / f"ckpt_{name}" / "iter_0000002").mkdir(parents=True)
+        (out / f"ckpt_{name}" / "latest_checkpointed_iteration.txt").write_text("2")
+        write_run_config(provider, out / f"ckpt_{name}" / "iter_0000002" / "run_config.yaml")
+        taken = types.SimpleNamespace()
+        try:
+            extension.enable_torch_experts(taken, {"pretrained_checkpoint": {
+                "format": "megatron_bridge", "path": str(out / f"ckpt_{name}")}})
+            result[f"nemo_rl_bridge_checkpoint_{name}"] = sorted(vars(taken))
+        except Exception as error:  # noqa: BLE001 - recorded for the test
+            result[f"nemo_rl_bridge_checkpoint_{name}"] = f"{type(error).__name__}: {error}"
 
     # setup_model_config: load_model_config -> instantiate; model_overrides -> dataclasses.replace
     model_cfg = read_provider(out / "nemo_rl_run_config.yaml")
