@@ -173,9 +173,10 @@ def import_megatron_bridge_training():
     manylinux_2_39 wheel: hosts with an older glibc (the CPU legs' Debian 12 has 2.36) cannot
     install it, and what they can install, 0.4.1, breaks `import megatron.core` (Megatron-Core
     asks for 0.6+ and reads 0.4.1's missing `__version__`). On the GPU the real package is
-    installed and used (scripts/gpu_client_routes.sh). Where the package is missing, a stand-in holding that one name (a class nothing makes) is visible while Bridge's
-    training modules are imported and removed right after; Megatron-Core's dist_checkpointing is
-    imported first, so it decides without it. An installed package is used as it is."""
+    installed and used (scripts/gpu_client_routes.sh). Where the package is missing, a stand-in
+    holding that one name (a class nothing makes) is visible while Bridge's training modules are
+    imported and removed right after; Megatron-Core's dist_checkpointing is imported first, so
+    it decides without it. An installed package is used as it is."""
     import importlib
     import importlib.util
 
