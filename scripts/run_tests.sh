@@ -6,7 +6,7 @@
 # legs still run.
 #   MCORE_TORCH_EXPERTS_LEGS="0.19.2" bash scripts/run_tests.sh tests/test_experts.py
 # A leg whose Python is missing is skipped with the reason, except under CI (CI=true), where it
-# fails. Ends with the lint's line, one line per leg and the total.
+# fails. Ends with the lint's line, one line per leg (its setup and test seconds) and the total.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/legs.sh
@@ -15,6 +15,7 @@ status=0
 summary=()
 passed=0 failed=0 skipped=0
 
+run_start=$SECONDS
 read -r lint_leg _ <<<"$legs"
 echo "===== lint: ruff $RUFF_VERSION (in $(leg_venv "$lint_leg")) ====="
 setup_lint "$lint_leg"
@@ -35,12 +36,15 @@ else
     status=1
   fi
 fi
+lint_line="$lint_line ($((SECONDS - run_start)) s, its venv's setup included)"
 
 for leg in $legs; do
   start=$SECONDS
   echo "===== leg: megatron-core $leg, Python $(leg_python_version "$leg") ====="
   setup_leg "$leg"
   rc=$?
+  setup_s=$((SECONDS - start))
+  echo "[setup $leg] ${setup_s} s"
   if [ $rc -eq 2 ] && [ "${CI:-}" != true ]; then
     summary+=("megatron-core $leg: SKIPPED (no Python $(leg_python_version "$leg") interpreter)")
     continue
@@ -48,10 +52,11 @@ for leg in $legs; do
     summary+=("megatron-core $leg: SKIPPED (its source archives are not in $STACK_DIR)")
     continue
   elif [ $rc -ne 0 ]; then
-    summary+=("megatron-core $leg: FAILED to set up (exit $rc)")
+    summary+=("megatron-core $leg: FAILED to set up (exit $rc, after ${setup_s} s)")
     status=1
     continue
   fi
+  test_start=$SECONDS
   log=$(mktemp)
   leg_run "$leg" -c "import megatron.core as m, sys, torch; v = m.__version__; print(f'[leg {v}] python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {v} from {m.__file__}'); sys.exit(v.split('+')[0] != '$leg')" \
     && leg_run "$leg" -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$log"
@@ -64,12 +69,12 @@ for leg in $legs; do
   done
   n=$(grep -oE "[0-9]+ errors?" <<<"$line" | grep -oE "[0-9]+" || true)
   failed=$((failed + ${n:-0}))
-  summary+=("megatron-core $leg: ${line:-no summary} (exit $rc, $((SECONDS - start)) s)")
+  summary+=("megatron-core $leg: ${line:-no summary} (exit $rc; setup ${setup_s} s, tests $((SECONDS - test_start)) s)")
   [ $rc -eq 0 ] || status=1
 done
 echo
 echo "===== lint and legs ====="
 echo "$lint_line"
 printf '%s\n' "${summary[@]}"
-echo "total: $passed passed, $failed failed, $skipped skipped"
+echo "total: $passed passed, $failed failed, $skipped skipped; $((SECONDS - run_start)) s"
 exit $status
