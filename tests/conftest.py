@@ -23,6 +23,20 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [
     str(ROOT / "examples"), os.environ.get("PYTHONPATH")]))
 
 
+def pytest_collection_modifyitems(config, items):
+    """The leg rule: a test marked `once_per_venv` skips where scripts/run_tests.sh set
+    MCORE_TORCH_EXPERTS_ONCE_PER_VENV=skip, on the legs other than one per venv
+    (scripts/legs.sh: LEGS_ONCE_PER_VENV); anywhere else (pytest run by hand) it runs."""
+    if os.environ.get("MCORE_TORCH_EXPERTS_ONCE_PER_VENV") != "skip":
+        return
+    legs = os.environ.get("MCORE_TORCH_EXPERTS_ONCE_PER_VENV_LEGS") or "LEGS_ONCE_PER_VENV"
+    skip = pytest.mark.skip(reason=f"once_per_venv: run on the legs {legs} only "
+                                   "(scripts/legs.sh)")
+    for item in items:
+        if item.get_closest_marker("once_per_venv") is not None:
+            item.add_marker(skip)
+
+
 def _apply(monkeypatch, patches):
     for patch in patches:
         monkeypatch.setattr(patch.owner, patch.name, patch.value, raising=False)

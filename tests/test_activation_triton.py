@@ -6,6 +6,9 @@ import torch
 
 from reference import make_config
 
+# The kernel against FP64, the same on every release: one leg per venv (scripts/legs.sh).
+pytestmark = pytest.mark.once_per_venv
+
 
 def fp64(config, h, probs):
     h = h.double()

@@ -13,6 +13,9 @@ import torch
 
 from torchrun_support import torchrun
 
+# The GPU benchmarks run on 0.19.2 (BENCHMARKS.md): one leg per venv (scripts/legs.sh).
+pytestmark = pytest.mark.once_per_venv
+
 REPO = Path(__file__).resolve().parents[1]
 
 

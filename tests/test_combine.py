@@ -21,6 +21,9 @@ from mcore_torch_experts.combine import (
 )
 from triton_interpreter import ROOT, interpreter_is_on, run_interpreted
 
+# torch and Triton only, the same on every release: one leg per venv (scripts/legs.sh).
+pytestmark = pytest.mark.once_per_venv
+
 FP32_UNIT_ROUNDOFF = 2.0 ** -24
 BF16_RTNE_REL_ERR = 2.0 ** -8  # round to nearest: half a bf16 ulp (8 significant bits)
 BF16_TRUNC_REL_ERR = 2.0 ** -7  # the Triton interpreter truncates fp32 -> bf16: one ulp

@@ -53,6 +53,7 @@ def check_clamp_backward(config, x, probs, w1, w2, offs, splits, grad):
     assert rel_err(dh, h64.grad) < 2e-2 and rel_err(dprobs, p64.grad) < 2e-2
 
 
+@pytest.mark.once_per_venv
 @pytest.mark.triton_interpreter
 @pytest.mark.skipif(torch.cuda.is_available(),  # decided before a child interpreter starts
                     reason="on a CUDA host the kernels run compiled, on the GPU (tests/test_gpu.py)")
@@ -297,6 +298,7 @@ LORA_CASES = [
 ]
 
 
+@pytest.mark.once_per_venv
 @pytest.mark.triton_interpreter
 @pytest.mark.skipif(torch.cuda.is_available(),  # decided before a child interpreter starts
                     reason="on a CUDA host the kernels run compiled, on the GPU (tests/test_gpu.py)")

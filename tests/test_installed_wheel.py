@@ -43,6 +43,9 @@ from mcore_torch_experts import specs
 from megatron_lm_worker import documented_flags
 from spec_support import LAUNCHER_ENTRY_POINTS
 
+# The venv's Python and setuptools: one leg per venv (scripts/legs.sh).
+pytestmark = pytest.mark.once_per_venv
+
 TESTS = Path(__file__).parent
 REPO = TESTS.parent
 PACKAGE = REPO / "mcore_torch_experts"

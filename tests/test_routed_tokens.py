@@ -52,6 +52,7 @@ def test_gathered_rows_sum_their_gradients_per_token_in_fp32():
     assert sum_rows_by_token(grad[:0], empty.token_ids, 9, TORCH_COMBINE).shape == (9, 6)
 
 
+@pytest.mark.once_per_venv
 @pytest.mark.triton_interpreter
 @INTERPRETED
 @pytest.mark.parametrize("glu", [False, True])
@@ -93,6 +94,7 @@ def forward_backward(fused_experts, args, routed, leaves, grad):
     return [out.detach()] + [leaf.grad.clone() for leaf in leaves]
 
 
+@pytest.mark.once_per_venv
 @pytest.mark.triton_interpreter
 @INTERPRETED
 @pytest.mark.parametrize("activation, glu, kind", [("squared_relu", False, None),
