@@ -178,24 +178,34 @@ def save_loss_curve(losses, out_dir: Path) -> str:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--vocab", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--ffn", type=int, default=256)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--topk", type=int, default=2)
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--alpha", type=float, default=32.0)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--expert-adapter", choices=["per_expert", "shared"], default="per_expert")
-    parser.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--out-dir", type=Path, default=Path("runs/finetune_lora"))
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
+    parser.add_argument("--vocab", type=int, default=128, help="vocabulary size (default 128)")
+    parser.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    parser.add_argument("--ffn", type=int, default=256,
+                        help="each expert's FFN hidden size (default 256)")
+    parser.add_argument("--experts", type=int, default=8, help="experts per MoE layer (default 8)")
+    parser.add_argument("--topk", type=int, default=2, help="experts per token (default 2)")
+    parser.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
+    parser.add_argument("--alpha", type=float, default=32.0,
+                        help="LoRA alpha: the update is scaled by alpha / rank (default 32)")
+    parser.add_argument("--lr", type=float, default=2e-3,
+                        help="Adam learning rate of the adapters (default 2e-3)")
+    parser.add_argument("--expert-adapter", choices=["per_expert", "shared"], default="per_expert",
+                        help="one adapter per expert, or one shared by a layer's experts "
+                             "(default per_expert)")
+    parser.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform",
+                        help="Megatron's full-recompute method (default uniform)")
+    parser.add_argument("--seed", type=int, default=1234, help="random seed (default 1234)")
+    parser.add_argument("--out-dir", type=Path, default=Path("runs/finetune_lora"),
+                        help="where losses.csv, loss_curve.png and the adapters go "
+                             "(default runs/finetune_lora)")
     parser.add_argument("--transformer-engine", action="store_true",
                         help="every layer from Megatron's TE spec (TE attention and linears); "
                              "needs Transformer Engine and a CUDA device")

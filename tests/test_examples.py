@@ -43,3 +43,19 @@ def test_example_runs(name, tmp_path):
         differences = re.findall(r"relative L2 difference: +([0-9.e+-]+)", result.stdout)
         bound = DEMO_CUDA_BF16_TOL if torch.cuda.is_available() else 0.0
         assert len(differences) == 2 and all(float(d) <= bound for d in differences), differences
+
+
+def test_main_job_help_describes_every_option():
+    """`finetune_lora.py --help` (what `scripts/run_example.sh --help` prints): the whole first
+    paragraph of the docstring, a help text for every option, the numbered steps after them."""
+    result = subprocess.run([sys.executable, "-W", "ignore", "finetune_lora.py", "--help"],
+                            cwd=EXAMPLES, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = result.stdout
+    assert "under\nfull activation recompute." in text  # the description does not stop mid-way
+    options = text.split("options:")[1].split("\n\n")[0]
+    entries = re.split(r"\n  (?=-)", options.strip())
+    assert len(entries) >= 18
+    for entry in entries[1:]:  # after -h: each names its option, then says what it is
+        assert len(entry.split(maxsplit=2)) == 3 or "\n" in entry, entry
+    assert "1. builds a small GPT-MoE" in text
