@@ -13,7 +13,14 @@ from .convert import ConversionSummary, convert_experts_to_torch
 from .experts import TorchGroupedLinear, TorchGroupedMLP
 from .integrations.bridge import check_bridge_peft, merge_bridge_lora, register_with_megatron_bridge
 from .kernels.grouped_gemm import find_grouped_mm, frozen_grouped_linear, group_offsets
-from .lora import LoRALinear, apply_lora, load_lora_state_dict, lora_parameters, lora_state_dict
+from .lora import (
+    LoRALinear,
+    apply_lora,
+    load_lora_state_dict,
+    lora_parameters,
+    lora_sharded_state_dict,
+    lora_state_dict,
+)
 from .model import build_gpt_model, build_moe_layer
 from .moe_layer import FP32CombineMoELayer, convert_moe_layers_to_fp32_combine
 from .recompute import install_frozen_input_guard
@@ -42,6 +49,7 @@ __all__ = [
     "install_frozen_input_guard",
     "load_lora_state_dict",
     "lora_parameters",
+    "lora_sharded_state_dict",
     "lora_state_dict",
     "merge_bridge_lora",
     "register_with_megatron_bridge",

@@ -19,8 +19,16 @@ r"""LoRA adapters on Megatron-Core linears, with Megatron-Bridge's wrapper contr
   on every rank. Sequence parallelism and expert tensor parallelism are refused.
 - dtype: adapter weights are kept in the base weight's dtype (Megatron-Bridge's choice) unless
   `dtype` says otherwise (e.g. FP32 master weights); the math runs in the input dtype.
+- Expert parallelism: a per-expert adapter is sharded by EP like the expert weights (reduced
+  over the expert data-parallel group); a shared expert adapter is one adapter replicated on
+  every EP rank, reduced over the full data-parallel group like a dense weight (`allreduce`
+  True; with sequence parallelism also summed over TP, `sequence_parallel` True), so every rank
+  holds the same weights, trained on every token routed to any of the layer's experts.
 - Checkpoints: the base keeps its state-dict keys (adapters add `<base>.adapter.*`); a wrapped
-  module's `sharded_state_dict` is its base's, so adapters are saved with `lora_state_dict`.
+  module's `sharded_state_dict` is its base's (a pretrained base checkpoint loads into a wrapped
+  model), unless `metadata` carries `LORA_ADAPTERS_METADATA_KEY: True`: then the adapters too,
+  a shared expert adapter as one replicated tensor, a per-expert one sharded by global expert.
+  `lora_sharded_state_dict(model)` gives the adapters only; `lora_state_dict` a plain dict.
 """
 
 import math
@@ -29,6 +37,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -38,12 +48,18 @@ from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
 )
-from megatron.core.utils import get_pg_size
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_tensors_for_checkpoint,
+)
+from megatron.core.utils import get_pg_rank, get_pg_size
 
 from .kernels.choice import ADAPTER_READERS, FusedAdapter, hooked
 from .kernels.grouped_gemm import Splits, find_grouped_mm, group_offsets
 
 EXPERT_ADAPTERS = ("shared", "per_expert")
+# sharded_state_dict(metadata={LORA_ADAPTERS_METADATA_KEY: True}): wrapped linears add adapters
+LORA_ADAPTERS_METADATA_KEY = "mcore_torch_experts_lora_adapters"
 PER_EXPERT_RANK_MULTIPLE = 8  # grouped GEMM needs 16-byte strides: bf16 rows of r elements
 
 
@@ -152,9 +168,45 @@ class LoRALinear(torch.nn.Module):
                 state_dict[f"{prefix}to_wrap.{rest}"] = state_dict.pop(key)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        """The base's sharded state dict: distributed checkpoints hold the base model only."""
-        return self.to_wrap.sharded_state_dict(prefix=prefix, sharded_offsets=sharded_offsets,
-                                               metadata=metadata)
+        """The base's sharded state dict; with `metadata[LORA_ADAPTERS_METADATA_KEY]` true also
+        the adapter's (`adapter_sharded_state_dict`)."""
+        result = self.to_wrap.sharded_state_dict(prefix=prefix, sharded_offsets=sharded_offsets,
+                                                 metadata=metadata)
+        if metadata is not None and metadata.get(LORA_ADAPTERS_METADATA_KEY, False):
+            result.update(self.adapter_sharded_state_dict(prefix, sharded_offsets, metadata))
+        return result
+
+    def adapter_sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """`<prefix>adapter.linear_{in,out}.weight` as ShardedTensors. A per-expert adapter
+        [E_local, ...] is the EP rank's slice of one [E_global, ...] tensor, replicated over the
+        expert data-parallel group; a shared expert adapter is one tensor replicated on every
+        rank (one main replica: saved once, loaded on every EP rank); a dense adapter is sharded
+        over TP like its base weight and replicated over data parallelism."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        adapter, base = self.adapter, self.to_wrap
+        weights = {"linear_in.weight": adapter.linear_in.weight,
+                   "linear_out.weight": adapter.linear_out.weight}
+        pg = getattr(base, "_pg_collection", None)
+        if isinstance(adapter, PerExpertLoRAAdapter):
+            ep = pg.ep if pg is not None else parallel_state.get_expert_model_parallel_group()
+            expt_dp = (pg.expt_dp if pg is not None
+                       else parallel_state.get_expert_data_parallel_group())
+            ep_axis = len(sharded_offsets)
+            return {f"{prefix}adapter.{key}": ShardedTensor.from_rank_offsets(
+                        f"{prefix}adapter.{key}", weight, *sharded_offsets,
+                        (ep_axis, get_pg_rank(ep), get_pg_size(ep)),
+                        replica_id=(0, 0, get_pg_rank(expt_dp)))
+                    for key, weight in weights.items()}
+        if getattr(adapter, "expert_shared", False):
+            axes, tp_group = {}, pg.tp if pg is not None else None  # replicated everywhere
+        else:
+            tp_group = getattr(base, "tp_group", None) if get_pg_size(
+                getattr(base, "tp_group", None)) > 1 else None
+            axes = {"column": {"linear_out.weight": 0}, "row": {"linear_in.weight": 1}}.get(
+                adapter.tp_mode, {})
+        return make_sharded_tensors_for_checkpoint(
+            weights, f"{prefix}adapter.", axes, sharded_offsets, tp_group=tp_group,
+            dp_cp_group=metadata["dp_cp_group"])
 
 
 def fused_lora(linear: torch.nn.Module, linear_type: type, x: torch.Tensor):
@@ -222,7 +274,18 @@ def _expert_adapter(name, base, rank, alpha, dropout, expert_adapter, dtype):
     out_features, in_features = base.weight0.shape
     dtype, device = dtype or base.weight0.dtype, base.weight0.device
     if expert_adapter == "shared":
-        return LoRAAdapter(in_features, out_features, rank, alpha, dropout, dtype, device)
+        adapter = LoRAAdapter(in_features, out_features, rank, alpha, dropout, dtype, device)
+        # One adapter for all of the layer's experts, on every EP rank: each EP rank computes
+        # the share of its local experts' tokens, so the gradient is summed over the full
+        # data-parallel group that spans EP (a dense weight's `allreduce`), and over TP where
+        # sequence parallelism gives each TP rank other tokens (as Megatron's layer norms).
+        adapter.expert_shared = True
+        for p in adapter.parameters():
+            p.allreduce = True
+            if getattr(base.config, "sequence_parallel", False) and (
+                    getattr(base.config, "tensor_model_parallel_size", 1) or 1) > 1:
+                p.sequence_parallel = True
+        return adapter
     num_experts = getattr(base, "num_experts", None) or base.num_gemms  # ours / TE GroupedLinear
     return PerExpertLoRAAdapter(num_experts, in_features, out_features, rank, alpha, dropout,
                                 dtype, device)
@@ -261,9 +324,11 @@ def _make_adapter(name, base, rank, alpha, dropout, expert_adapter, dtype):
     else:
         raise TypeError(f"apply_lora: {name} ({type(base).__name__}) matches the targets but is "
                         "not a linear layer LoRA can wrap")
-    # Expert-parallel bases are reduced over the expert data-parallel group; so are their adapters.
-    for p in adapter.parameters():
-        p.allreduce = getattr(base_weight, "allreduce", True)
+    # Per-expert adapters are reduced like their base (expert-parallel bases over the expert
+    # data-parallel group); a shared expert adapter set its own (_expert_adapter).
+    if not getattr(adapter, "expert_shared", False):
+        for p in adapter.parameters():
+            p.allreduce = getattr(base_weight, "allreduce", True)
     return adapter
 
 
@@ -320,6 +385,21 @@ def lora_parameters(model: torch.nn.Module) -> Dict[str, torch.nn.Parameter]:
 def lora_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """The adapter weights only, under the keys `model.state_dict()` gives them."""
     return {key: p.detach() for key, p in lora_parameters(model).items()}
+
+
+def lora_sharded_state_dict(model: torch.nn.Module, prefix: str = "",
+                            metadata: Optional[dict] = None) -> dict:
+    """The adapters' ShardedTensors only, for Megatron's distributed checkpoints, under the keys
+    `model.sharded_state_dict(prefix)` gives them (LoRALinear.adapter_sharded_state_dict). `model`
+    must have `sharded_state_dict` (a MegatronModule). Save with `dist_checkpointing.save`; load
+    with `dist_checkpointing.load(lora_sharded_state_dict(fresh), dir)` then
+    `load_lora_state_dict(fresh, loaded)` (prefix ""). A shared expert adapter is saved once and
+    loaded on every EP rank; a per-expert one as one global [E, ...] tensor."""
+    adapter_ids = {id(p) for p in lora_parameters(model).values()}
+    metadata = {**(metadata or {}), LORA_ADAPTERS_METADATA_KEY: True}
+    full = model.sharded_state_dict(prefix=prefix, metadata=metadata)
+    return {key: value for key, value in full.items()
+            if isinstance(value, ShardedTensor) and id(value.data) in adapter_ids}
 
 
 def load_lora_state_dict(model: torch.nn.Module, state: Dict[str, torch.Tensor]) -> None:

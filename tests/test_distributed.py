@@ -222,3 +222,55 @@ def test_adapters_train_from_their_own_tokens_after_the_next_gather(adapters_aft
         worst = max(rank["errors"].values())
         assert worst <= rank["tolerance"], (adapter, rank["rank"], rank["errors"])
         assert len(rank["errors"]) == 2 + 2 * 2 * 2  # out, grad_x; 2 layers x 2 linears x A, B
+
+
+@pytest.fixture(scope="module", params=["shared", "per_expert"])
+def expert_adapters_ep2(request, tmp_path_factory):
+    launch = torchrun("expert_adapters_ep.py", 2, ["--ep", "2", "--adapter", request.param],
+                      tmp_path_factory.mktemp(f"expert_adapters_ep2_{request.param}"))
+    assert launch.returncode == 0, launch.output[-8000:]
+    return request.param, launch.results()
+
+
+def test_expert_adapters_train_on_every_ranks_tokens_under_ddp_at_ep2(expert_adapters_ep2):
+    """LoRA on TorchGroupedMLP at EP=2 under Megatron's DistributedDataParallel, each rank its own
+    tokens, one SGD step: a shared adapter (one for all of the layer's experts) is reduced over
+    the data-parallel group that spans EP (allreduce True): its gradient and update are the FP64
+    full-batch ones over the DP size, bitwise the same on both ranks. A per-expert adapter stays
+    expert-parallel (allreduce False): the full-batch gradient of its rank's experts."""
+    adapter, ranks = expert_adapters_ep2
+    for rank in ranks:
+        where = f"{adapter} rank {rank['rank']}"
+        assert set(rank["allreduce"].values()) == {adapter == "shared"}, (where, rank["allreduce"])
+        for errors in ("grad_errors", "step_errors"):
+            assert len(rank[errors]) == 4, where
+            assert max(rank[errors].values()) <= rank["tolerance"], (where, rank[errors])
+        if adapter == "shared":
+            assert all(rank["identical_after_step"].values()), (where, rank["identical_after_step"])
+    if adapter == "per_expert":
+        assert [r["local_experts"] for r in ranks] == [[0, 1], [2, 3]]
+
+
+def test_expert_adapters_dist_checkpoint_round_trip_at_ep2(expert_adapters_ep2):
+    """lora_state_dict keeps every adapter weight on every rank; lora_sharded_state_dict saves a
+    shared adapter once (one main replica in the world) and loads it on both EP ranks, a
+    per-expert adapter as one [E_global, ...] tensor of which each rank holds its experts; a
+    fresh model with other adapter values reloads every adapter weight bit for bit."""
+    adapter, ranks = expert_adapters_ep2
+    keys = sorted(f"mlp.experts.{linear}.adapter.linear_{io}.weight"
+                  for linear in ("linear_fc1", "linear_fc2") for io in ("in", "out"))
+    for rank in ranks:
+        where = f"{adapter} rank {rank['rank']}"
+        assert rank["lora_state_dict_keys"] == keys and rank["sharded_keys"] == keys, where
+        for key in keys:
+            local, global_ = rank["lora_state_dict_shapes"][key], rank["global_shapes"][key]
+            if adapter == "shared":
+                assert global_ == local and len(local) == 2, (where, key, local, global_)
+                assert rank["main_replicas"][key] == 1, (where, key, rank["main_replicas"])
+            else:
+                assert local[0] == 2 and global_ == [4, *local[1:]], (where, key, global_)
+                assert rank["main_replicas"][key] == 2, (where, key)  # one per EP shard
+        assert rank["fresh_differed"], where
+        assert rank["round_trip_equal"], where
+        # shared: the same weights on both EP ranks; per expert: each rank its own experts'
+        assert set(rank["reloaded_identical"].values()) == {adapter == "shared"}, where
