@@ -18,16 +18,23 @@
 # pip is never asked for a bare `torch`.
 
 LEGS_ALL="0.16.1 0.17.1 0.18.2 0.19.2 0.20.0"
-# The legs that run the tests marked `once_per_venv` (the marker: setup.cfg), one leg per venv:
-# 0.16.1 (Python 3.11, .venv) and 0.19.2 (Python 3.12, .venv312; a PyPI release, so never skipped
-# for a missing archive, and the release the GPU benchmarks run on). What those tests check
-# depends on the venv (its Python, torch build, Triton, setuptools), not on the megatron-core
-# release: the Triton kernels under the interpreter against FP64, the combine, the sdist, the
-# wheel and its fresh-venv install; and the benchmarks' CPU smoke runs (BENCHMARKS.md: 0.19.2,
-# 0.16.1 for bench_experts). On the other legs run_tests.sh sets
-# MCORE_TORCH_EXPERTS_ONCE_PER_VENV=skip and tests/conftest.py skips them, each with that reason.
-# MCORE_TORCH_EXPERTS_ONCE_PER_VENV_LEGS overrides the list ("all": every leg).
+# Tests that run on some legs only, by marker (registered in setup.cfg): the one rule of which
+# leg runs them (leg_skips below; run_tests.sh hands a leg's skips to tests/conftest.py, which
+# skips them there, each with the reason). pytest run by hand runs them all.
+#   once_per_venv  one leg per venv: 0.16.1 (Python 3.11, .venv) and 0.19.2 (Python 3.12,
+#                  .venv312; a PyPI release, so never skipped for a missing archive). What they
+#                  check depends on the venv (Python, torch build, Triton: 3.9.0 in .venv
+#                  today, 3.7.1 in .venv312; setuptools), not on the megatron-core release: the
+#                  Triton kernels under the interpreter against FP64, the combine, the sdist, the
+#                  wheel and its fresh-venv install, bench_experts' and bench_field_kernels'
+#                  smoke runs.
+#   bench_smoke    0.19.2, the release the GPU benchmarks run on (BENCHMARKS.md): the other
+#                  benchmarks' CPU smoke runs (bench_cycle, cycle_memory, the Bridge and
+#                  Automodel benchmarks), which hold nothing release-specific.
+# MCORE_TORCH_EXPERTS_ONCE_PER_VENV_LEGS and MCORE_TORCH_EXPERTS_BENCH_SMOKE_LEGS override the
+# lists ("all": every leg).
 LEGS_ONCE_PER_VENV=${MCORE_TORCH_EXPERTS_ONCE_PER_VENV_LEGS:-0.16.1 0.19.2}
+LEGS_BENCH_SMOKE=${MCORE_TORCH_EXPERTS_BENCH_SMOKE_LEGS:-0.19.2}
 TORCH_VERSION=2.13.0
 BRIDGE_VERSION=0.6.2
 # The 0.20.0 leg: megatron-core 0.20.0 and megatron-bridge 0.7.0 are not released as wheels; NeMo-RL
@@ -76,8 +83,12 @@ AUTOMODEL_LIGHT_DEPS="packaging"
 # ruff, pinned, installed into the venv of the run's first leg.
 RUFF_VERSION=0.17.6
 
-leg_runs_once_per_venv() {  # leg -> true when it runs the tests marked `once_per_venv`
-  [ "$LEGS_ONCE_PER_VENV" = all ] || [[ " $LEGS_ONCE_PER_VENV " == *" $1 "* ]]
+leg_skips() {  # leg -> "marker=legs;" for each marker above whose tests skip on that leg
+  local leg=$1 pair legs
+  for pair in "once_per_venv=$LEGS_ONCE_PER_VENV" "bench_smoke=$LEGS_BENCH_SMOKE"; do
+    legs=${pair#*=}
+    [ "$legs" = all ] || [[ " $legs " == *" $leg "* ]] || printf '%s;' "$pair"
+  done
 }
 
 leg_python_version() {  # leg -> the Python version it runs on

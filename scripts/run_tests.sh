@@ -7,12 +7,13 @@
 #   MCORE_TORCH_EXPERTS_LEGS="0.19.2" bash scripts/run_tests.sh tests/test_experts.py
 # A leg whose Python is missing is skipped with the reason, except under CI (CI=true), where it
 # fails. Ends with the lint's line, one line per leg (its setup and test seconds) and the total.
-# The tests marked `once_per_venv` (the Triton-interpreter kernel tests, the combine, the installed
-# wheel, the benchmarks' smoke runs: what they check depends on the venv, not on the megatron-core
-# release) run on one leg per venv only, LEGS_ONCE_PER_VENV (scripts/legs.sh: 0.16.1 and 0.19.2;
-# MCORE_TORCH_EXPERTS_ONCE_PER_VENV_LEGS="all" runs them on every leg); on the other legs they
-# skip, each with that reason: this script sets MCORE_TORCH_EXPERTS_ONCE_PER_VENV=skip there, the
-# one rule, in tests/conftest.py. pytest run by hand runs them all.
+# Some tests run on some legs only, by marker: `once_per_venv` (the Triton-interpreter kernel
+# tests, the combine, the installed wheel, two benchmarks' smoke runs: what they check depends on
+# the venv, not on the megatron-core release) on 0.16.1 and 0.19.2, `bench_smoke` (the other
+# benchmarks' smoke runs) on 0.19.2. The rule is scripts/legs.sh's (LEGS_ONCE_PER_VENV,
+# LEGS_BENCH_SMOKE, leg_skips); this script hands each leg its skips in
+# MCORE_TORCH_EXPERTS_LEG_SKIPS and tests/conftest.py skips them, each with the reason. The leg
+# line says which markers it skipped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/legs.sh
@@ -62,12 +63,8 @@ for leg in $legs; do
     status=1
     continue
   fi
-  if leg_runs_once_per_venv "$leg"; then
-    export MCORE_TORCH_EXPERTS_ONCE_PER_VENV=run
-  else
-    export MCORE_TORCH_EXPERTS_ONCE_PER_VENV=skip
-  fi
-  export MCORE_TORCH_EXPERTS_ONCE_PER_VENV_LEGS="$LEGS_ONCE_PER_VENV"  # for the skips' reason
+  MCORE_TORCH_EXPERTS_LEG_SKIPS=$(leg_skips "$leg")
+  export MCORE_TORCH_EXPERTS_LEG_SKIPS
   test_start=$SECONDS
   log=$(mktemp)
   leg_run "$leg" -c "import megatron.core as m, sys, torch; v = m.__version__; print(f'[leg {v}] python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {v} from {m.__file__}'); sys.exit(v.split('+')[0] != '$leg')" \
@@ -81,7 +78,7 @@ for leg in $legs; do
   done
   n=$(grep -oE "[0-9]+ errors?" <<<"$line" | grep -oE "[0-9]+" || true)
   failed=$((failed + ${n:-0}))
-  summary+=("megatron-core $leg: ${line:-no summary} (exit $rc; setup ${setup_s} s, tests $((SECONDS - test_start)) s; once_per_venv tests: $MCORE_TORCH_EXPERTS_ONCE_PER_VENV)")
+  summary+=("megatron-core $leg: ${line:-no summary} (exit $rc; setup ${setup_s} s, tests $((SECONDS - test_start)) s; skipped on this leg by the leg rule: ${MCORE_TORCH_EXPERTS_LEG_SKIPS:-nothing})")
   [ $rc -eq 0 ] || status=1
 done
 echo

@@ -24,17 +24,15 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [
 
 
 def pytest_collection_modifyitems(config, items):
-    """The leg rule: a test marked `once_per_venv` skips where scripts/run_tests.sh set
-    MCORE_TORCH_EXPERTS_ONCE_PER_VENV=skip, on the legs other than one per venv
-    (scripts/legs.sh: LEGS_ONCE_PER_VENV); anywhere else (pytest run by hand) it runs."""
-    if os.environ.get("MCORE_TORCH_EXPERTS_ONCE_PER_VENV") != "skip":
-        return
-    legs = os.environ.get("MCORE_TORCH_EXPERTS_ONCE_PER_VENV_LEGS") or "LEGS_ONCE_PER_VENV"
-    skip = pytest.mark.skip(reason=f"once_per_venv: run on the legs {legs} only "
-                                   "(scripts/legs.sh)")
-    for item in items:
-        if item.get_closest_marker("once_per_venv") is not None:
-            item.add_marker(skip)
+    """The leg rule (scripts/legs.sh: leg_skips): scripts/run_tests.sh sets
+    MCORE_TORCH_EXPERTS_LEG_SKIPS to "marker=legs;..." for the markers whose tests this leg leaves
+    to those legs; they skip here with that reason. Unset (pytest run by hand), all run."""
+    for rule in filter(None, os.environ.get("MCORE_TORCH_EXPERTS_LEG_SKIPS", "").split(";")):
+        marker, legs = rule.split("=", 1)
+        skip = pytest.mark.skip(reason=f"{marker}: run on the legs {legs} only (scripts/legs.sh)")
+        for item in items:
+            if item.get_closest_marker(marker) is not None:
+                item.add_marker(skip)
 
 
 def _apply(monkeypatch, patches):

@@ -13,8 +13,10 @@ import torch
 
 from torchrun_support import torchrun
 
-# The GPU benchmarks run on 0.19.2 (BENCHMARKS.md): one leg per venv (scripts/legs.sh).
-pytestmark = pytest.mark.once_per_venv
+# The benchmarks' smoke runs on 0.19.2, the release their GPU runs use (BENCHMARKS.md); those
+# marked once_per_venv (bench_experts, whose Megatron arms differ by release, and the kernels')
+# on 0.16.1 too (scripts/legs.sh: leg_skips).
+BENCH_SMOKE = pytest.mark.bench_smoke
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,6 +30,7 @@ def run_benchmark(script, *args):
     return proc.stdout
 
 
+@pytest.mark.once_per_venv
 def test_bench_experts_tiny(tmp_path):
     stdout = run_benchmark("bench_experts.py", "--tiny", "--out-dir", str(tmp_path))
     assert "| shape | routing | implementation | fwd ms | fwd+dgrad ms |" in stdout
@@ -47,6 +50,7 @@ def test_bench_experts_tiny(tmp_path):
     assert all(row["err"] < 3e-2 for row in checked), checked
 
 
+@BENCH_SMOKE
 def test_bench_cycle_smoke(tmp_path):
     stdout = run_benchmark("bench_cycle.py", "--smoke", "--out-dir", str(tmp_path))
     assert ("| experts | expert adapters | adapters | logprob ms | update ms | cycle ms, median "
@@ -125,6 +129,7 @@ def check_moe_side(rows, report_md, passes):
     assert len([line for line in table.splitlines() if line.startswith("| ")]) == len(ran) + 1
 
 
+@BENCH_SMOKE
 def test_bench_cycle_smoke_keeps_the_options_given_beside_it(tmp_path):
     """--smoke sets sizes only where no option says otherwise: both adapter layouts run, as
     asked, at the rank and round count given."""
@@ -138,6 +143,7 @@ def test_bench_cycle_smoke_keeps_the_options_given_beside_it(tmp_path):
     assert (report["args"]["rank"], report["args"]["seq"]) == ("16", "32")  # stored as text
 
 
+@BENCH_SMOKE
 def test_bench_cycle_runs_every_adapter_source_and_layout_as_an_arm(tmp_path):
     """--adapters ours,bridge with both layouts: a row per (arm, layout, source), each measured
     and profiled in its own turns; a source named twice is refused."""
@@ -157,6 +163,7 @@ def test_bench_cycle_runs_every_adapter_source_and_layout_as_an_arm(tmp_path):
     assert proc.returncode == 2 and "--adapters 'ours,ours'" in proc.stderr, proc.stderr[-2000:]
 
 
+@BENCH_SMOKE
 def test_bench_cycle_smoke_at_ep2_under_torchrun(tmp_path):
     """--ep 2 on two CPU processes (gloo, allgather dispatcher): both arms run on every rank, with
     4 of the tiny slice's 8 experts per rank, and their logprobs agree on every rank. Our adapters
@@ -181,6 +188,7 @@ def test_bench_cycle_smoke_at_ep2_under_torchrun(tmp_path):
         assert row["logprob_diff"] < 1e-2, row  # the largest of the two ranks'
 
 
+@BENCH_SMOKE
 def test_cycle_memory_replay_finds_what_is_alive_at_the_peak():
     import cycle_memory
 
@@ -201,6 +209,7 @@ def test_cycle_memory_replay_finds_what_is_alive_at_the_peak():
                     "autograd engine / C++ (no Python frame), 0 MiB blocks": [50, 1]}
 
 
+@BENCH_SMOKE
 @pytest.mark.te
 def test_cycle_memory_runs_on_a_tiny_slice(tmp_path):
     if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
@@ -214,6 +223,7 @@ def test_cycle_memory_runs_on_a_tiny_slice(tmp_path):
     assert all(arm["trace_peak_gib"] > 0 for name, arm in report.items() if name != "header")
 
 
+@BENCH_SMOKE
 def test_automodel_combine_bench_measures_each_peak_without_earlier_gradients():
     """Each step's peak is taken from a state that holds no gradients: a gradient left by the
     warm-up call is freed inside the measured call and would take its bytes off the peak."""
@@ -255,6 +265,7 @@ def test_automodel_combine_bench_measures_each_peak_without_earlier_gradients():
     assert grads_at_start == [None, None]  # forward, then forward + backward
 
 
+@BENCH_SMOKE
 @pytest.mark.parametrize("options, message", [
     (["--headroom-gib", "0"], "--headroom-gib 0: needs a CUDA device and a positive count of GiB"),
     (["--headroom-gib", "1", "--reserve-gib", "1"], "not allowed with argument --headroom-gib")])
@@ -265,6 +276,7 @@ def test_automodel_combine_bench_refuses_a_headroom_it_cannot_hold(options, mess
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
 
 
+@BENCH_SMOKE
 def test_automodel_combine_bench_tiny(tmp_path):
     pytest.importorskip("nemo_automodel.components.moe.experts",
                         reason="nemo-automodel is not installed here (the megatron-core 0.19.2 "
@@ -294,6 +306,7 @@ def test_automodel_combine_bench_tiny(tmp_path):
             assert row["grads repro"] == "yes", row
 
 
+@BENCH_SMOKE
 def test_bench_bridge_per_expert_tiny():
     if sys.version_info < (3, 12) or importlib.util.find_spec("megatron.bridge") is None:
         pytest.skip("Megatron-Bridge's PEFT needs Python 3.12 and megatron-bridge")
@@ -307,6 +320,7 @@ def test_bench_bridge_per_expert_tiny():
     assert len(rows) == 2 * 2 and all(float(row[-1]) < 2e-2 for row in rows), rows
 
 
+@BENCH_SMOKE
 def test_a_parked_arm_trains_on_as_if_it_had_stayed_built():
     """bench_cycle's ParkedArm (cycle_passes.py): two update steps with the model dropped and
     rebuilt between them give bitwise the adapters, optimizer state and logprobs of two steps on
@@ -350,6 +364,7 @@ def test_a_parked_arm_trains_on_as_if_it_had_stayed_built():
         for i, s in state["state"].items() for k, v in s.items())
 
 
+@BENCH_SMOKE
 def test_a_parked_arm_refuses_to_end_a_turn_while_its_model_is_still_referenced():
     """ParkedArm.close: a model kept alive past its turn (so its memory would stay with the next
     arm) is an error naming it; the state was kept, and the next close of a clean turn passes."""
@@ -375,6 +390,7 @@ def test_a_parked_arm_refuses_to_end_a_turn_while_its_model_is_still_referenced(
     assert arm.cycle is None
 
 
+@pytest.mark.once_per_venv
 def test_bench_field_kernels_tiny(tmp_path):
     """The kernels-from-the-field benchmark's CPU smoke: the arms that run here agree with the
     FP32 evaluation; those that cannot say why instead of failing the run."""
