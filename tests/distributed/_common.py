@@ -225,6 +225,24 @@ def routing(x: torch.Tensor, weights: GlobalWeights, topk: int):
     return idx, top.softmax(dim=-1)
 
 
+def reference_layer_with_adapters(x64, weights: GlobalWeights, factors, sizes: Sizes,
+                                  scale: float):
+    """FP64 MoE layer over all tokens [N, H] whose expert e's linears carry the LoRA update
+    scale * B[e] @ A[e] (`factors`: {linear_fc1 / linear_fc2: (A [E, r, in], B [E, out, r])})."""
+    idx, probs = routing(x64, weights, sizes.topk)
+    out = torch.zeros_like(x64)
+    (a1, b1), (a2, b2) = factors["linear_fc1"], factors["linear_fc2"]
+    for e in range(sizes.experts):
+        token, slot = (idx == e).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        w1 = weights.fc1[e].double() + scale * b1[e] @ a1[e]
+        w2 = weights.fc2[e].double() + scale * b2[e] @ a2[e]
+        h = sizes.activation()(x64[token] @ w1.T)
+        out = out.index_add(0, token, (h @ w2.T) * probs[token, slot].unsqueeze(-1))
+    return out
+
+
 def reference_moe(x: torch.Tensor, grad_out: torch.Tensor, weights: GlobalWeights, sizes: Sizes):
     """FP64 output and input gradient of the whole MoE layer (router included), all experts in
     one process: x, grad_out [..., H] -> (out, grad_x), both float64 of x's shape."""

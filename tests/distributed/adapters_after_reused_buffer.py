@@ -30,8 +30,8 @@ from _common import (  # noqa: E402
     install,
     moe_config,
     moe_layer,
+    reference_layer_with_adapters,
     rel_err,
-    routing,
     write_result,
 )
 
@@ -62,18 +62,7 @@ def global_factors(layer: int, adapter: str):
 
 def reference_layer(x64, weights: GlobalWeights, factors):
     """FP64 MoE layer over all tokens [N, H] with adapter factors {linear: (A, B)} (leaves)."""
-    idx, probs = routing(x64, weights, SIZES.topk)
-    out = torch.zeros_like(x64)
-    (a1, b1), (a2, b2) = factors["linear_fc1"], factors["linear_fc2"]
-    for e in range(SIZES.experts):
-        token, slot = (idx == e).nonzero(as_tuple=True)
-        if token.numel() == 0:
-            continue
-        w1 = weights.fc1[e].double() + SCALE * b1[e] @ a1[e]
-        w2 = weights.fc2[e].double() + SCALE * b2[e] @ a2[e]
-        h = SIZES.activation()(x64[token] @ w1.T)
-        out = out.index_add(0, token, (h @ w2.T) * probs[token, slot].unsqueeze(-1))
-    return out
+    return reference_layer_with_adapters(x64, weights, factors, SIZES, SCALE)
 
 
 def main():
