@@ -180,8 +180,19 @@ setup_leg() {  # leg -> makes its environment; returns 2 when its interpreter is
     "$venv/bin/python" -m pip install -q "torch==$TORCH_VERSION"
   fi
   if [ "$version" = 3.11 ]; then
+    # Once per packaging metadata: an editable install sees code changes without pip.
+    local stamp="$venv/.installed-$leg" metadata
+    metadata=$(cat setup.cfg pyproject.toml | sha256sum | cut -c1-16)
+    if [ "$(cat "$stamp" 2>/dev/null)" = "$metadata" ] && "$venv/bin/python" -c \
+        "import importlib.metadata as m, sys; sys.exit(m.version('megatron-core') != '$leg')" \
+        2>/dev/null; then
+      echo "[setup $leg] mcore_torch_experts, megatron-core==$leg and the test dependencies: installed already"
+      return 0
+    fi
     echo "[setup $leg] installing mcore_torch_experts, megatron-core==$leg and the test dependencies"
-    "$venv/bin/python" -m pip install -q -e ".[test]" "megatron-core==$leg"
+    rm -f "$venv"/.installed-*
+    "$venv/bin/python" -m pip install -q -e ".[test]" "megatron-core==$leg" || return 1
+    echo "$metadata" > "$stamp"
     return 0
   fi
   # Python 3.12: the package and the test dependencies once, megatron-core per leg in its folder.

@@ -66,18 +66,28 @@ for leg in $legs; do
   MCORE_TORCH_EXPERTS_LEG_SKIPS=$(leg_skips "$leg")
   export MCORE_TORCH_EXPERTS_LEG_SKIPS
   test_start=$SECONDS
-  log=$(mktemp)
+  # Counted from pytest's junit XML, not from its last line (which -q -q leaves out).
+  junit=$(mktemp --suffix .xml)
+  rm -f "$junit"
   leg_run "$leg" -c "import megatron.core as m, sys, torch; v = m.__version__; print(f'[leg {v}] python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {v} from {m.__file__}'); sys.exit(v.split('+')[0] != '$leg')" \
-    && leg_run "$leg" -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$log"
-  rc=${PIPESTATUS[0]}
-  line=$(grep -E "^=*\s*[0-9]+ (passed|failed|error)" "$log" | tail -n 1 | sed -E 's/=+//g; s/^ +| +$//g')
-  rm -f "$log"
-  for kind in passed failed skipped; do
+    && leg_run "$leg" -m pytest -q -p no:cacheprovider "$@" --junitxml="$junit"
+  rc=$?
+  line=$(leg_run "$leg" -c "
+import sys, xml.etree.ElementTree as ET
+try:
+    root = ET.parse(sys.argv[1]).getroot()
+except (OSError, ET.ParseError):
+    sys.exit(0)
+suites = [root] if root.tag == 'testsuite' else list(root.iter('testsuite'))
+n = {k: sum(int(s.get(k, 0)) for s in suites) for k in ('tests', 'failures', 'errors', 'skipped')}
+print(n['tests'] - n['failures'] - n['errors'] - n['skipped'], 'passed,', n['failures'],
+      'failed,', n['skipped'], 'skipped,', n['errors'], 'errors')" "$junit")
+  rm -f "$junit"
+  for kind in passed failed skipped errors; do
     n=$(grep -oE "[0-9]+ $kind" <<<"$line" | grep -oE "[0-9]+" || true)
+    [ "$kind" = errors ] && kind=failed
     declare "$kind=$(( ${!kind} + ${n:-0} ))"
   done
-  n=$(grep -oE "[0-9]+ errors?" <<<"$line" | grep -oE "[0-9]+" || true)
-  failed=$((failed + ${n:-0}))
   summary+=("megatron-core $leg: ${line:-no summary} (exit $rc; setup ${setup_s} s, tests $((SECONDS - test_start)) s; skipped on this leg by the leg rule: ${MCORE_TORCH_EXPERTS_LEG_SKIPS:-nothing})")
   [ $rc -eq 0 ] || status=1
 done

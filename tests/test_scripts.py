@@ -1,0 +1,47 @@
+"""The README's two commands (scripts/run_tests.sh, scripts/run_example.sh) as a user runs them:
+their summaries and their setup on a second call."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import megatron.core
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LEG = megatron.core.__version__.split("+")[0]
+
+
+def bash(script, *args, env=None):
+    return subprocess.run(["bash", str(REPO / "scripts" / script), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.once_per_venv
+@pytest.mark.parametrize("quiet", [[], ["-q", "-q"]])
+def test_run_tests_counts_pytest_results_whatever_the_verbosity(tmp_path, quiet):
+    (tmp_path / "test_tiny.py").write_text(
+        "import pytest\n"
+        "def test_a(): pass\n"
+        "def test_b(): pass\n"
+        "def test_c(): pytest.skip('no')\n"
+        "def test_d(): assert False\n")
+    run = bash("run_tests.sh", *quiet, str(tmp_path / "test_tiny.py"),
+               env={"MCORE_TORCH_EXPERTS_LEGS": LEG})
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "total: 2 passed, 1 failed, 1 skipped;" in run.stdout, run.stdout[-3000:]
+    assert f"megatron-core {LEG}: 2 passed, 1 failed, 1 skipped, 0 errors (exit 1;" in run.stdout
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11),
+                    reason="run_example.sh's default leg, 0.16.1, is the Python 3.11 venv's")
+def test_run_example_installs_once_then_starts_at_once():
+    bash("run_example.sh", "--help")   # installs where nothing is installed yet
+    run = bash("run_example.sh", "--help")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "[setup 0.16.1] mcore_torch_experts, megatron-core==0.16.1 and the test " \
+        "dependencies: installed already" in run.stdout
+    assert "installing" not in run.stdout
+    assert run.stdout.count("usage: finetune_lora.py") == 1
