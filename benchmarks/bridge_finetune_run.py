@@ -152,21 +152,35 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=12)
     parser.add_argument("--skip", type=int, default=3, help="iterations left out of the timing")
     parser.add_argument("--expert-adapters", choices=["shared", "per_expert"], default="shared")
+    parser.add_argument("--phases", default=",".join(PHASES),
+                        help=f"comma-separated, of {', '.join(PHASES)}; te and torch always, "
+                             "pretrain unless OUT holds its checkpoint already")
     parser.add_argument("--phase", choices=list(PHASES), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    phases = args.phases.split(",")
+    unknown = sorted(set(phases) - set(PHASES))
+    if unknown or not {"te", "torch"} <= set(phases):
+        parser.error(f"--phases: {args.phases!r} must name te and torch, and only phases of "
+                     f"{list(PHASES)}")
     out = args.out_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
     if args.phase:
         worker(args.phase, out, args.iters, args.expert_adapters)
         return
-    results = {phase: run_phase(phase, out, args) for phase in PHASES}
+    if "pretrain" not in phases and not (out / "pretrained").is_dir():
+        parser.error(f"--phases: no pretrain phase and no checkpoint in {out / 'pretrained'}")
+    results = {phase: run_phase(phase, out, args) for phase in PHASES if phase in phases}
     te, ours = results["te"]["steps"], results["torch"]["steps"]
-    resumed = results["torch-first-half"]["steps"] + results["torch-resumed"]["steps"]
-    resume_diff = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(resumed, ours))
+    resume_diff = None
+    if {"torch-first-half", "torch-resumed"} <= set(results):
+        resumed = results["torch-first-half"]["steps"] + results["torch-resumed"]["steps"]
+        resume_diff = max(abs(a["loss"] - b["loss"]) / abs(b["loss"])
+                          for a, b in zip(resumed, ours))
     loss_diff = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(ours, te))
     tokens = SEQUENCES * SLICE["seq_length"]
     rows = []
-    for phase in ("te", "te-cutlass", "torch"):
+    timed_phases = [phase for phase in ("te", "te-cutlass", "torch") if phase in results]
+    for phase in timed_phases:
         steps = results[phase]["steps"]
         timed = [s["ms"] for s in steps[args.skip:]]
         median = statistics.median(timed)
@@ -189,15 +203,16 @@ def main() -> None:
                                     "expert weights trained"], rows)
     body += ["", f"max rel. loss difference, TorchGroupedMLP vs TEGroupedMLP: {loss_diff:.1e}",
              f"max rel. loss difference, stopped at {args.iters // 2}, saved and resumed vs "
-             f"uninterrupted: {resume_diff:.1e}",
+             f"uninterrupted: {harness.fmt(resume_diff, '.1e')}",
              f"TorchGroupedMLP arm's log line: `{results['torch']['summary_line'] or 'MISSING'}`"]
-    ok = bool(resume_diff < 1e-3 and loss_diff < 2e-2 and results["torch"]["summary_line"]
+    ok = bool((resume_diff is None or resume_diff < 1e-3) and loss_diff < 2e-2 and results["torch"]["summary_line"]
               and results["torch"]["model"]["experts"] == ["TorchGroupedMLP"]
               and results["torch"]["model"]["expert_weights_trained"] == 0)
     medians = {phase: statistics.median(s["ms"] for s in results[phase]["steps"][args.skip:])
-               for phase in ("te", "te-cutlass", "torch")}
+               for phase in timed_phases}
     summary = dict(ms_ours=medians["torch"], ms_stock=medians["te"],
-                   ms_cutlass=medians["te-cutlass"], loss_diff=loss_diff, resume_diff=resume_diff,
+                   ms_cutlass=medians.get("te-cutlass"), expert_adapters=args.expert_adapters,
+                   loss_diff=loss_diff, resume_diff=resume_diff,
                    peak_ours=results["torch"]["peak_gib"], peak_stock=results["te"]["peak_gib"],
                    ok=ok)
     text = harness.write_report(out, "bridge_finetune", "Megatron-Bridge finetune() on the GPU",

@@ -12,11 +12,13 @@ beside megatron/) at the release of the installed megatron-core; scripts/gpu_meg
 one from the wheel and tests/third_party/megatron_lm/.
 
     python3 benchmarks/megatron_lm_run.py --megatron-lm DIR --out-dir OUT [--iters 20]
-        [--global-batch 4] [--repeats 3]
+        [--global-batch 4,8] [--repeats 3] [--from-logs]
 
-`--repeats N` runs the arms N times, interleaved (arm by arm, then again), so that the spread
-between runs shows: each arm's row gives the median of its runs' medians and their range, and
-the ratio to TEGroupedMLP within each run.
+`--repeats N` runs the arms N times, interleaved (batch by batch, arm by arm, then again), so
+that the spread between runs shows: each arm's row gives the median of its runs' medians and
+their range, and the ratios to TEGroupedMLP and to the CUTLASS arm within each run. One
+checkpoint serves every batch size. `--from-logs` rebuilds the report from the logs of a run that
+was cut short (its unfinished runs left out).
 """
 
 import argparse
@@ -89,73 +91,128 @@ def iterations(log: str) -> list:
     return [(float(ms), float(loss)) for _, ms, loss in ITERATION.findall(log)]
 
 
+def run_arms(checkout: Path, out: Path, args, batches: list) -> None:
+    """The init run, then every (repeat, batch, arm) run, interleaved; the logs in `out`."""
+    checkpoint = out / "te_checkpoint"
+    pretrain_gpt(checkout, out / "init.log", DOCUMENTED[:3] + [
+        "--global-batch-size", str(batches[0]), "--train-iters", "1", "--save", str(checkpoint),
+        "--save-interval", "1", "--no-save-optim", "--no-save-rng"], {})
+    for repeat in range(args.repeats):
+        for batch in batches:
+            resume = ["--global-batch-size", str(batch), "--train-iters", str(args.iters),
+                      "--load", str(checkpoint), "--finetune", "--no-load-optim", "--no-load-rng"]
+            for arm in args.arms.split(","):
+                _, flags, env = ARMS[arm]
+                pretrain_gpt(checkout, out / log_name(arm, batch, repeat), flags + resume, env)
+
+
+def log_name(arm: str, batch: int, repeat: int) -> str:
+    return f"{arm}_gb{batch}_{repeat}.log"
+
+
+def report_rows(out: Path, args, batch: int) -> tuple:
+    """The table rows and the summary of one batch size, from the runs' logs in `out`."""
+    runs, log_line = {}, None   # arm -> {repeat: [(ms, loss)]}
+    for arm in args.arms.split(","):
+        for repeat in range(args.repeats):
+            path = out / log_name(arm, batch, repeat)
+            its = iterations(path.read_text()) if path.is_file() else []
+            if len(its) > args.skip:   # a run that did not finish is left out (runs column)
+                runs.setdefault(arm, {})[repeat] = its
+            if arm == "torch" and path.is_file() and log_line is None:
+                log_line = SUMMARY.search(path.read_text())
+    medians = {arm: {r: statistics.median(ms for ms, _ in its[args.skip:])
+                     for r, its in arm_runs.items()} for arm, arm_runs in runs.items()}
+
+    def ratios(base: str, arm: str) -> list:   # within each run both arms finished
+        return [medians[base][r] / medians[arm][r] for r in medians.get(base, {})
+                if r in medians[arm]]
+
+    def loss_diff(arm: str):
+        reference = runs.get("te", {})
+        diffs = [abs(a[1] - b[1]) / b[1] for r, its in runs.get(arm, {}).items()
+                 if r in reference for a, b in zip(its, reference[r])]
+        return max(diffs) if diffs else None
+
+    tokens = batch * 4096
+    rows = []
+    for arm, arm_runs in runs.items():
+        values = list(medians[arm].values())
+        median = statistics.median(values)
+        first = arm_runs[min(arm_runs)]
+        rows.append([f"{tokens:,}", ARMS[arm][0], str(len(values)),
+                     f"{median:.1f} ({min(values):.1f}–{max(values):.1f})",
+                     f"{tokens / median * 1e3:,.0f}", spread(ratios("te", arm)),
+                     spread(ratios("te-cutlass", arm)),
+                     f"{first[0][1]:.6f} → {first[-1][1]:.6f}", harness.fmt(loss_diff(arm), ".1e")])
+    median = {arm: statistics.median(values.values()) for arm, values in medians.items()}
+    ours_loss_diff = loss_diff("torch")
+    summary = dict(tokens=tokens, ms_ours=median.get("torch"), ms_stock=median.get("te"),
+                   ms_cutlass=median.get("te-cutlass"), loss_diff=ours_loss_diff,
+                   runs={arm: len(values) for arm, values in medians.items()},
+                   ok=bool(log_line and ours_loss_diff is not None and ours_loss_diff < 1e-3))
+    return rows, summary, log_line, {"iterations": runs, "medians": medians}
+
+
+def spread(values: list) -> str:
+    """median (min–max) of ratios, or a dash."""
+    if not values:
+        return "—"
+    return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--megatron-lm", type=Path, required=True)
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--skip", type=int, default=3, help="iterations left out of the timing")
-    parser.add_argument("--arms", default=",".join(ARMS))
-    parser.add_argument("--global-batch", type=int, default=4,
-                        help="sequences of 4096 tokens per iteration")
+    parser.add_argument("--arms", default=",".join(ARMS),
+                        help=f"comma-separated, of {', '.join(ARMS)}")
+    parser.add_argument("--global-batch", default="4",
+                        help="sequences of 4096 tokens per iteration; several, comma-separated "
+                             "(4,8), run interleaved within each repeat")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every arm, interleaved")
+    parser.add_argument("--from-logs", action="store_true",
+                        help="no runs: the report from the logs already in --out-dir (runs cut "
+                             "short are left out)")
     args = parser.parse_args()
+    unknown = sorted(set(args.arms.split(",")) - set(ARMS))
+    if unknown:
+        parser.error(f"--arms: unknown arm(s) {unknown}; choose from {list(ARMS)}")
+    try:
+        batches = [int(b) for b in args.global_batch.split(",")]
+    except ValueError:
+        parser.error(f"--global-batch: {args.global_batch!r} is not a comma-separated list of "
+                     "integers (for instance 4,8)")
     out = args.out_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
     checkout = args.megatron_lm.resolve()
-    checkpoint = out / "te_checkpoint"
-    batch = ["--global-batch-size", str(args.global_batch)]
-    header = harness.header(torch.device("cuda"))
+    if not args.from_logs:
+        run_arms(checkout, out, args, batches)
+    header = harness.header(torch.device("cuda")) if torch.cuda.is_available() else []
     header.append(f"Megatron-LM: `pretrain_gpt.py` of {checkout}; model: {' '.join(SLICE)}; "
-                  f"run: {' '.join(RUN + batch)}")
-    pretrain_gpt(checkout, out / "init.log", DOCUMENTED[:3] + batch + [
-        "--train-iters", "1", "--save", str(checkpoint), "--save-interval", "1",
-        "--no-save-optim", "--no-save-rng"], {})
-    resume = batch + ["--train-iters", str(args.iters), "--load", str(checkpoint), "--finetune",
-                      "--no-load-optim", "--no-load-rng"]
-    arms = args.arms.split(",")
-    runs, log_line = {arm: [] for arm in arms}, None
-    for repeat in range(args.repeats):
-        for arm in arms:
-            label, flags, env = ARMS[arm]
-            name = arm if args.repeats == 1 else f"{arm}_{repeat}"
-            log = pretrain_gpt(checkout, out / f"{name}.log", flags + resume, env)
-            runs[arm].append(iterations(log))
-            if arm == "torch":
-                log_line = SUMMARY.search(log)
-    tokens = args.global_batch * 4096
-    medians = {arm: [statistics.median(ms for ms, _ in its[args.skip:]) for its in arm_runs]
-               for arm, arm_runs in runs.items()}
-    reference = runs.get("te")
-    rows = []
-    for arm, arm_runs in runs.items():
-        median = statistics.median(medians[arm])
-        ratios = ([te / ours for te, ours in zip(medians["te"], medians[arm])]
-                  if reference else [])
-        loss_diff = (max(abs(a[1] - b[1]) / b[1] for its, ref in zip(arm_runs, reference)
-                         for a, b in zip(its, ref)) if reference else None)
-        rows.append([ARMS[arm][0], f"{median:.1f} ({min(medians[arm]):.1f}–"
-                     f"{max(medians[arm]):.1f})", f"{tokens / median * 1e3:,.0f}",
-                     (f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})"
-                      if ratios else "—"),
-                     f"{arm_runs[0][0][1]:.6f} → {arm_runs[0][-1][1]:.6f}",
-                     harness.fmt(loss_diff, ".1e")])
-    body = [f"{args.repeats} run(s) of {args.iters} iterations per arm, interleaved, the first "
-            f"{args.skip} of each not timed; ms per iteration as Megatron-LM logs it: the median "
-            f"of the runs' medians (their range); x TEGroupedMLP: within each run, median "
-            f"(range); {tokens:,} tokens per iteration.", ""]
+                  f"run: {' '.join(RUN)}; --global-batch-size {args.global_batch}")
+    body = [f"{args.repeats} run(s) of {args.iters} iterations per arm and batch, interleaved "
+            f"(batch by batch, arm by arm, then again), the first {args.skip} of each not timed; "
+            "ms per iteration as Megatron-LM logs it: the median of the runs' medians (their "
+            "range); x TEGroupedMLP and x CUTLASS: within each run, median (range).", ""]
+    rows, summaries, data, log_line = [], [], {}, None
+    for batch in batches:
+        batch_rows, summary, line, data[batch] = report_rows(out, args, batch)
+        rows += batch_rows
+        summaries.append(summary)
+        log_line = log_line or line
     body += harness.markdown_table(
-        ["experts", "ms / iteration", "tokens/s", "x TEGroupedMLP", "loss, first → last",
+        ["tokens / iteration", "experts", "runs", "ms / iteration", "tokens/s",
+         "x TEGroupedMLP", "x CUTLASS", "loss, first → last (first run)",
          "max rel. loss diff vs TEGroupedMLP"], rows)
     body += ["", f"TorchGroupedMLP arm's log line: `{log_line.group(0) if log_line else 'MISSING'}`"]
-    loss_diff = (max(abs(a[1] - b[1]) / b[1] for its, ref in zip(runs["torch"], reference)
-                     for a, b in zip(its, ref)) if reference and "torch" in runs else None)
-    median = {arm: statistics.median(values) for arm, values in medians.items()}
-    summary = dict(ms_ours=median.get("torch"), ms_stock=median.get("te"),
-                   ms_cutlass=median.get("te-cutlass"), loss_diff=loss_diff,
-                   ok=bool(log_line and loss_diff is not None and loss_diff < 1e-3))
+    # The route's summary is the largest batch's; every batch's is kept beside it.
+    summary = {**summaries[-1], "by_batch": summaries,
+               "ok": all(s["ok"] for s in summaries)}
     text = harness.write_report(out, "megatron_lm", "Megatron-LM pretrain_gpt.py on the GPU",
-                                header, body, {"iterations": runs, "medians": medians,
+                                header, body, {**{str(b): d for b, d in data.items()},
                                                "summary": summary})
     print(text)
     sys.exit(0 if summary["ok"] else 1)

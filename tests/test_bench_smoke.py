@@ -402,3 +402,46 @@ def test_bench_field_kernels_tiny(tmp_path):
     assert ran == {"grouped_mm", "fused_gemm"}, rows
     assert all(row["err"] < 3e-2 for row in rows if "err" in row), rows
     assert all(row["note"].startswith("not available") for row in rows if "note" in row), rows
+
+
+@BENCH_SMOKE
+def test_megatron_lm_report_from_logs_keeps_each_batch_apart_and_leaves_out_cut_runs(tmp_path):
+    """megatron_lm_run.py --from-logs: per batch size, each arm's median of its runs' medians,
+    the ratios within each run, and a run cut short (no timed iteration) left out."""
+    per_arm = {"torch": 100.0, "te": 200.0, "te-cutlass": 150.0}
+    for repeat in range(2):
+        for batch in (4, 8):
+            for arm, ms in per_arm.items():
+                if (arm, batch, repeat) == ("te-cutlass", 8, 1):   # cut short at iteration 2
+                    iterations = range(1, 3)
+                else:
+                    iterations = range(1, 7)
+                lines = [f" [2026-12-05] iteration {i:8d}/       6 | consumed samples: {i} | "
+                         f"elapsed time per iteration (ms): {ms * batch / 4 * (1 + repeat):.1f} "
+                         f"| learning rate: 1.0E-05 | lm loss: {10 - i / 10 + (arm == 'torch') * 1e-5:.6E} |"
+                         for i in iterations]
+                if arm == "torch":
+                    lines.append("mcore_torch_experts: rank 0 runs TorchGroupedMLP experts")
+                (tmp_path / f"{arm}_gb{batch}_{repeat}.log").write_text("\n".join(lines))
+    stdout = run_benchmark("megatron_lm_run.py", "--megatron-lm", str(tmp_path), "--out-dir",
+                           str(tmp_path), "--global-batch", "4,8", "--repeats", "2", "--iters",
+                           "6", "--skip", "3", "--from-logs")
+    summary = json.loads((tmp_path / "megatron_lm.json").read_text())["summary"]
+    by_tokens = {s["tokens"]: s for s in summary["by_batch"]}
+    assert by_tokens[16384]["ms_ours"] == pytest.approx(150.0)       # runs of 100 and 200 ms
+    assert by_tokens[32768]["ms_stock"] == pytest.approx(600.0)
+    assert by_tokens[32768]["runs"] == {"torch": 2, "te": 2, "te-cutlass": 1}
+    assert by_tokens[32768]["ms_cutlass"] == pytest.approx(300.0)
+    assert summary["tokens"] == 32768 and summary["ok"]
+    assert "| 16,384 | TorchGroupedMLP (the documented command) | 2 | 150.0 (100.0–200.0) |" \
+        in stdout
+    assert "2.00 (2.00–2.00)" in stdout and "1.50 (1.50–1.50)" in stdout
+
+
+def test_megatron_lm_run_refuses_a_batch_list_it_cannot_read(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "megatron_lm_run.py"),
+                           "--megatron-lm", str(tmp_path), "--out-dir", str(tmp_path),
+                           "--global-batch", "4;8", "--from-logs"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--global-batch: '4;8' is not a comma-separated list of integers" in proc.stderr
