@@ -445,3 +445,15 @@ def test_megatron_lm_run_refuses_a_batch_list_it_cannot_read(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--global-batch: '4;8' is not a comma-separated list of integers" in proc.stderr
+
+
+@BENCH_SMOKE
+def test_batch_invariance_probe_tiny_finds_the_control_and_reports_every_piece(tmp_path):
+    """The probe's CPU smoke run (Triton pieces in the interpreter): every piece of ours reported
+    for every batch, and the control (a batch-dependent op) found batch-dependent."""
+    run_benchmark("batch_invariance_probe.py", "--tiny", "--out-dir", str(tmp_path))
+    report = json.loads((tmp_path / "batch_invariance.json").read_text())
+    verdicts = report["verdicts"]
+    assert verdicts.pop("control (subtracts the batch mean)") is False
+    assert len(verdicts) == 8 and all(verdicts.values()), verdicts
+    assert len(report["rows"]) == 9 * 3   # run to run and two batches per piece
