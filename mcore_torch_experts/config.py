@@ -66,6 +66,13 @@ REFUSED_WHEN_SET = {
                                  "(linear_fc*.weightN); set moe_single_grouped_weight=False.",  # 0.18+
     "moe_paged_stash": "TorchGroupedMLP saves what its backward needs itself and keeps no "
                        "paged stash; set moe_paged_stash=False.",  # 0.18+
+    # Megatron's batch-invariant kernels (the field exists from 0.16; 0.20 adds batch-invariant
+    # MoE). Our path's invariance is not proven yet (docs/guarantees.md, "Batch invariance"):
+    # never run it silently.
+    "batch_invariant_mode": "TorchGroupedMLP's kernels are not proven batch-invariant yet; set "
+                            "batch_invariant_mode=False, or keep "
+                            "moe_expert_gemm_backend='transformer_engine' for Megatron's "
+                            "batch-invariant MoE (it needs DeepGEMM).",
     **{field: f"routing-map padding rounds expert segments up for FP8/FP4 experts; the torch "
               f"backend runs BF16 segments of any length. Set {field}=False."
        for field in ("moe_router_padding_for_quantization", "moe_router_padding_for_fp8")},
@@ -287,6 +294,11 @@ def validate_fp32_combine_config(config: TransformerConfig,
     if config.moe_token_dispatcher_type not in COMBINE_DISPATCHERS:
         refuse("moe_token_dispatcher_type", config.moe_token_dispatcher_type,
                f"use one of {COMBINE_DISPATCHERS}.")
+    if getattr(config, "batch_invariant_mode", False):
+        refuse("batch_invariant_mode", True, "the FP32 combine sums a token's rows in another "
+               "order than Megatron's batch-invariant unpermute and is not proven "
+               "batch-invariant; set moe_combine_in_fp32=False (Megatron's batch-invariant "
+               "combine is FP32 already) or batch_invariant_mode=False.")
     if config.moe_pad_expert_input_to_capacity:
         refuse("moe_pad_expert_input_to_capacity", True, "padded (drop-and-pad) combines are not "
                "supported; set moe_pad_expert_input_to_capacity=False.")
