@@ -224,12 +224,19 @@ def test_adapters_train_from_their_own_tokens_after_the_next_gather(adapters_aft
         assert len(rank["errors"]) == 2 + 2 * 2 * 2  # out, grad_x; 2 layers x 2 linears x A, B
 
 
-@pytest.fixture(scope="module", params=["shared", "per_expert"])
+# adapter layout: its extra torchrun arguments (TP=2 with sequence parallelism: each TP rank feeds
+# its own sequence shard, and the shared adapter's gradient is summed over TP as well).
+EXPERT_ADAPTER_LAYOUTS = {"shared": [], "per_expert": [], "shared_tp2_sp": ["--tp", "2", "--sp"]}
+
+
+@pytest.fixture(scope="module", params=list(EXPERT_ADAPTER_LAYOUTS))
 def expert_adapters_ep2(request, tmp_path_factory):
-    launch = torchrun("expert_adapters_ep.py", 2, ["--ep", "2", "--adapter", request.param],
+    adapter = request.param.split("_tp")[0]
+    launch = torchrun("expert_adapters_ep.py", 2, ["--ep", "2", "--adapter", adapter,
+                                                   *EXPERT_ADAPTER_LAYOUTS[request.param]],
                       tmp_path_factory.mktemp(f"expert_adapters_ep2_{request.param}"))
     assert launch.returncode == 0, launch.output[-8000:]
-    return request.param, launch.results()
+    return adapter, launch.results()
 
 
 def test_expert_adapters_train_on_every_ranks_tokens_under_ddp_at_ep2(expert_adapters_ep2):
@@ -237,11 +244,14 @@ def test_expert_adapters_train_on_every_ranks_tokens_under_ddp_at_ep2(expert_ada
     tokens, one SGD step: a shared adapter (one for all of the layer's experts) is reduced over
     the data-parallel group that spans EP (allreduce True): its gradient and update are the FP64
     full-batch ones over the DP size, bitwise the same on both ranks. A per-expert adapter stays
-    expert-parallel (allreduce False): the full-batch gradient of its rank's experts."""
+    expert-parallel (allreduce False): the full-batch gradient of its rank's experts. At TP=2
+    with sequence parallelism, Megatron's finalize_model_grads also sums the shared adapter over
+    TP (sequence_parallel True); without that sum each rank would hold half the gradient."""
     adapter, ranks = expert_adapters_ep2
     for rank in ranks:
         where = f"{adapter} rank {rank['rank']}"
         assert set(rank["allreduce"].values()) == {adapter == "shared"}, (where, rank["allreduce"])
+        assert set(rank["sequence_parallel"].values()) == {rank["tp"] > 1}, where
         for errors in ("grad_errors", "step_errors"):
             assert len(rank[errors]) == 4, where
             assert max(rank[errors].values()) <= rank["tolerance"], (where, rank[errors])

@@ -1,18 +1,22 @@
-"""torchrun worker: LoRA on TorchGroupedMLP at EP > 1, trained one step under Megatron's
-DistributedDataParallel, then a distributed-checkpoint round trip of the adapters.
+"""torchrun worker: LoRA on TorchGroupedMLP at EP > 1 (and TP > 1 with sequence parallelism),
+trained one step under Megatron's DistributedDataParallel with Megatron's `finalize_model_grads`,
+then a distributed-checkpoint round trip of the adapters.
 
 Every rank feeds its own tokens (allgather dispatcher). A shared expert adapter is one adapter for
 all of the layer's experts, replicated on every EP rank: after DDP's gradient sync its gradient
 must be the FP64 full-batch gradient (every rank's tokens through every expert) over the
-data-parallel size, the same bits on every rank, and so must its weights after an SGD step. A
-per-expert adapter holds the EP rank's experts only: its gradient is the full-batch gradient of
-those experts. Then `lora_sharded_state_dict` is saved with `dist_checkpointing` (a shared adapter
-with one main replica in the whole world), loaded into a fresh model with other adapter values,
-and every adapter weight must equal the trained one on every rank. Each rank writes
+data-parallel size (world / TP), the same bits on every rank, and so must its weights after an SGD
+step. Under TP with sequence parallelism each TP rank feeds its own sequence shard: the shared
+adapter's gradient is summed over TP too (Megatron's sequence-parallel reduction in
+`finalize_model_grads`). A per-expert adapter holds the EP rank's experts only: its gradient is
+the full-batch gradient of those experts. Then `lora_sharded_state_dict` is saved with
+`dist_checkpointing` (a shared adapter with one main replica in the whole world), loaded into a
+fresh model with other adapter values, and every adapter weight must equal the trained one on
+every rank. Each rank writes
 `OUT/rank{R}.json`.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 \
-        tests/distributed/expert_adapters_ep.py --ep 2 --adapter shared --out /tmp/x
+        tests/distributed/expert_adapters_ep.py --ep 2 [--tp 2 --sp] --adapter shared --out /tmp/x
 """
 
 import os
@@ -68,7 +72,7 @@ def build(args, pg, weights, factors):
 
     from mcore_torch_experts import apply_lora
 
-    config = moe_config("torch", SIZES, "cpu", ep=args.ep)
+    config = moe_config("torch", SIZES, "cpu", ep=args.ep, tp=args.tp, sp=args.sp)
     layer = moe_layer(config, pg, torch.device("cpu"))
     install(layer, weights, pg, SIZES.glu)
     root = MegatronModule(config)
@@ -102,6 +106,8 @@ def same_on_every_rank(t: torch.Tensor) -> bool:
 def main():
     parser = base_parser(__doc__)
     parser.add_argument("--ep", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
     parser.add_argument("--adapter", choices=("shared", "per_expert"), default="shared")
     args = parser.parse_args()
     init_processes("cpu")
@@ -111,9 +117,13 @@ def main():
         apply([Patch(torch.cuda, "current_stream", lambda *a, **k: HostStream(),
                      "Megatron's DDP (0.19) waits on the current CUDA stream's events before it "
                      "reduces gradients; on the CPU a host stream has none")])
-    pg = init_parallel("cpu", ep=args.ep)
+    pg = init_parallel("cpu", tp=args.tp, ep=args.ep)
     from megatron.core import dist_checkpointing
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
 
     from mcore_torch_experts import load_lora_state_dict, lora_sharded_state_dict, lora_state_dict
 
@@ -125,19 +135,21 @@ def main():
     params = {f"{name}.{factor}": module.weight for name, adapter in adapters.items()
               for factor, module in zip("AB", (adapter.linear_in, adapter.linear_out))}
     flags = {key: getattr(p, "allreduce", True) for key, p in params.items()}
+    sequence_parallel = {key: getattr(p, "sequence_parallel", False) for key, p in params.items()}
     before = {key: p.detach().clone() for key, p in params.items()}
 
     ddp = DistributedDataParallel(root.config, DistributedDataParallelConfig(), root)
     xs, grads = global_inputs(world, SIZES, seed=7)
     out, _ = root.mlp(xs[rank].clone())
     out.backward(grads[rank])
-    ddp.finish_grad_sync()
+    finalize_model_grads([ddp])   # DDP's sync, then the sequence-parallel sum over TP
     optimizer = torch.optim.SGD(list(params.values()), lr=LR)
     for p in params.values():
         p.grad = p.main_grad.clone()
     optimizer.step()
 
     # FP64 reference over every rank's tokens; DDP averages over the data-parallel ranks.
+    dp_size = world // args.tp
     x64 = xs.reshape(-1, SIZES.hidden).double()
     leaves = {name: tuple(t.double().clone().requires_grad_(True) for t in pair)
               for name, pair in factors.items()}
@@ -147,7 +159,7 @@ def main():
         for factor, leaf in zip("AB", leaves[name]):
             key = f"{name}.{factor}"
             want = (leaf.grad[experts] if args.adapter == "per_expert"
-                    else leaf.grad[list(range(SIZES.experts))].sum(0)) / world
+                    else leaf.grad[list(range(SIZES.experts))].sum(0)) / dp_size
             p = params[key]
             grad_errors[key] = rel_err(p.main_grad, want)
             step_errors[key] = rel_err(p.detach() - before[key], -LR * want)
@@ -180,7 +192,8 @@ def main():
         torch.equal(reloaded[k], state[k]) for k in state_keys)
     reloaded_identical = {k: same_on_every_rank(v) for k, v in reloaded.items()}
 
-    result = {"rank": rank, "adapter": args.adapter, "allreduce": flags,
+    result = {"rank": rank, "adapter": args.adapter, "tp": args.tp, "allreduce": flags,
+              "sequence_parallel": sequence_parallel,
               "grad_errors": grad_errors, "step_errors": step_errors,
               "identical_after_step": identical, "tolerance": TOLERANCE,
               "lora_state_dict_keys": state_keys, "lora_state_dict_shapes": state_shapes,
