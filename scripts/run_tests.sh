@@ -6,7 +6,8 @@
 # legs still run.
 #   MCORE_TORCH_EXPERTS_LEGS="0.19.2" bash scripts/run_tests.sh tests/test_experts.py
 # A leg whose Python is missing is skipped with the reason, except under CI (CI=true), where it
-# fails. Ends with the lint's line, one line per leg (its setup and test seconds) and the total.
+# fails. Each leg prints its ten slowest tests; the run ends with the lint's line, one line per
+# leg (its setup and test seconds, its counts from pytest's junit XML) and the total.
 # Some tests run on some legs only, by marker: `once_per_venv` (the Triton-interpreter kernel
 # tests, the combine, the installed wheel, two benchmarks' smoke runs: what they check depends on
 # the venv, not on the megatron-core release) on 0.16.1 and 0.19.2, `bench_smoke` (the other
@@ -70,7 +71,7 @@ for leg in $legs; do
   junit=$(mktemp --suffix .xml)
   rm -f "$junit"
   leg_run "$leg" -c "import megatron.core as m, sys, torch; v = m.__version__; print(f'[leg {v}] python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {v} from {m.__file__}'); sys.exit(v.split('+')[0] != '$leg')" \
-    && leg_run "$leg" -m pytest -q -p no:cacheprovider "$@" --junitxml="$junit"
+    && leg_run "$leg" -m pytest -q -p no:cacheprovider --durations=10 "$@" --junitxml="$junit"
   rc=$?
   line=$(leg_run "$leg" -c "
 import sys, xml.etree.ElementTree as ET
