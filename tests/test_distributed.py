@@ -229,7 +229,9 @@ def test_adapters_train_from_their_own_tokens_after_the_next_gather(adapters_aft
 EXPERT_ADAPTER_LAYOUTS = {"shared": [], "per_expert": [], "shared_tp2_sp": ["--tp", "2", "--sp"]}
 
 
-@pytest.fixture(scope="module", params=list(EXPERT_ADAPTER_LAYOUTS))
+@pytest.fixture(scope="module", params=[
+    pytest.param(layout, marks=[pytest.mark.once_per_venv] if "tp2" in layout else [])
+    for layout in EXPERT_ADAPTER_LAYOUTS])
 def expert_adapters_ep2(request, tmp_path_factory):
     adapter = request.param.split("_tp")[0]
     launch = torchrun("expert_adapters_ep.py", 2, ["--ep", "2", "--adapter", adapter,

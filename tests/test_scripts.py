@@ -19,16 +19,17 @@ def bash(script, *args, env=None):
                           env={**os.environ, **(env or {})})
 
 
-@pytest.mark.once_per_venv
-@pytest.mark.parametrize("quiet", [[], ["-q", "-q"]])
-def test_run_tests_counts_pytest_results_whatever_the_verbosity(tmp_path, quiet):
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11),
+                    reason="the script's counting does not depend on the leg: run on 0.16.1's")
+def test_run_tests_counts_pytest_results_whatever_the_verbosity(tmp_path):
+    """`-q -q` makes pytest print no summary line: the counts still come out (junit XML)."""
     (tmp_path / "test_tiny.py").write_text(
         "import pytest\n"
         "def test_a(): pass\n"
         "def test_b(): pass\n"
         "def test_c(): pytest.skip('no')\n"
         "def test_d(): assert False\n")
-    run = bash("run_tests.sh", *quiet, str(tmp_path / "test_tiny.py"),
+    run = bash("run_tests.sh", "-q", "-q", str(tmp_path / "test_tiny.py"),
                env={"MCORE_TORCH_EXPERTS_LEGS": LEG})
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
     assert "total: 2 passed, 1 failed, 1 skipped;" in run.stdout, run.stdout[-3000:]
