@@ -36,7 +36,7 @@ SHAPES = {  # name: experts, hidden, expert ffn, top-k, gated (SwiGLU) or square
     "super-like": (128, 4096, 2688, 22, False),
     "deepseek-v3-ep8": (32, 7168, 2048, 8, True),
 }
-TINY = {"tiny": (8, 64, 32, 2, True)}
+TINY = {"tiny": (8, 64, 32, 2, True), "tiny-squared-relu": (8, 64, 32, 2, False)}
 CONTEXTS = {  # name: other tokens per probe token, skewed onto two experts
     "among 7x others": (7, False),
     "among thousands": (256, False),
@@ -47,7 +47,10 @@ CONTROL = "control (subtracts the batch mean)"
 
 
 def squared_relu(x):
-    return F.relu(x) ** 2
+    """Megatron's squared ReLU: the function object the fused kernels are keyed by."""
+    from megatron.core.activations import squared_relu as megatron_squared_relu
+
+    return megatron_squared_relu(x)
 
 
 def routing(num_probe, num_other, experts, topk, skewed, generator):
@@ -120,7 +123,9 @@ def weights(shape, device):
 
 
 def activation(shape):
-    return F.silu if shape[4] else squared_relu
+    from megatron.core.activations import squared_relu as megatron_squared_relu
+
+    return F.silu if shape[4] else megatron_squared_relu
 
 
 def grouped_fc1(b, w1, w2, shape, lora):

@@ -456,4 +456,5 @@ def test_batch_invariance_probe_tiny_finds_the_control_and_reports_every_piece(t
     verdicts = report["verdicts"]
     assert verdicts.pop("control (subtracts the batch mean)") is False
     assert len(verdicts) == 8 and all(verdicts.values()), verdicts
-    assert len(report["rows"]) == 9 * 3   # run to run and two batches per piece
+    assert len(report["rows"]) == 2 * 9 * 3   # 2 shapes (SwiGLU, squared ReLU); run to run, 2 batches
+    assert not any("error" in row[-1] for row in report["rows"]), report["rows"]
