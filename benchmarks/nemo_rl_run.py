@@ -196,6 +196,10 @@ def run_arm(arm: str, out: Path, args) -> dict:
     start = time.time()
     run = subprocess.run(command, env=env, capture_output=True, text=True)
     log = run.stdout + run.stderr
+    if run.returncode != 0 and "EADDRINUSE" in log:   # the free port was taken before it bound
+        print(f"[nemo-rl] {arm}: its master port was taken (EADDRINUSE); once more", flush=True)
+        run = subprocess.run(command, env=env, capture_output=True, text=True)
+        log = run.stdout + run.stderr
     (out / f"{arm}.log").write_text(" ".join(command) + "\n\n" + log)
     print(f"[nemo-rl] {arm}: exit {run.returncode} in {time.time() - start:.0f} s", flush=True)
     if run.returncode != 0:
