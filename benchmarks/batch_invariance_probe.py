@@ -28,6 +28,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+from megatron.core.activations import squared_relu
 
 import harness
 
@@ -46,11 +47,6 @@ PROBE_TOKENS, RANK = 16, 16
 CONTROL = "control (subtracts the batch mean)"
 
 
-def squared_relu(x):
-    """Megatron's squared ReLU: the function object the fused kernels are keyed by."""
-    from megatron.core.activations import squared_relu as megatron_squared_relu
-
-    return megatron_squared_relu(x)
 
 
 def routing(num_probe, num_other, experts, topk, skewed, generator):
@@ -123,9 +119,9 @@ def weights(shape, device):
 
 
 def activation(shape):
-    from megatron.core.activations import squared_relu as megatron_squared_relu
-
-    return F.silu if shape[4] else megatron_squared_relu
+    """SwiGLU's SiLU or Megatron's squared ReLU: the function objects the fused kernels are
+    keyed by."""
+    return F.silu if shape[4] else squared_relu
 
 
 def grouped_fc1(b, w1, w2, shape, lora):
