@@ -175,6 +175,18 @@ def shared_lora_down(b, w1, w2, shape, lora):
     return {"out": (F.linear(b.rows, a) * 2.0)[b.probe_rows]}
 
 
+def shared_lora_down_grouped(b, w1, w2, shape, lora):
+    """The same product as one group of the frozen grouped GEMM (the factor as a 1-expert
+    weight): a candidate for the batch-invariant mode, where a plain matmul is not."""
+    from mcore_torch_experts.kernels.grouped_gemm import frozen_grouped_linear
+
+    x = b.rows.clone().requires_grad_(True)
+    offs = torch.tensor([x.shape[0]], dtype=torch.int32, device=x.device)
+    y = frozen_grouped_linear(x, lora["shared"][0][0][None], offs) * 2.0
+    y.backward(b.grad_rows[:, :y.shape[1]])
+    return {"out": y[b.probe_rows], "d x": x.grad[b.probe_rows]}
+
+
 def combine(backend):
     def run(b, w1, w2, shape, lora):
         from mcore_torch_experts.combine import fp32_combine
@@ -199,6 +211,7 @@ PIECES = {
     "fused kernels + shared LoRA": fused("shared"),
     "fused kernels + per-expert LoRA": fused("per_expert"),
     "shared LoRA down (matmul)": shared_lora_down,
+    "shared LoRA down (grouped_mm)": shared_lora_down_grouped,
     "fp32 combine (torch)": combine("torch"),
     "fp32 combine (triton)": combine("triton"),
 }

@@ -14,7 +14,9 @@ a run (`CheckpointManager.get_resume_paths`) and must give the trained logprobs.
 
 Checks: ours builds TorchGroupedMLP experts; the first logprobs (before any step) match the
 stock worker's on the same checkpoint within BF16 noise; the GRPO losses follow the stock
-worker's; the expert weights never change; the resumed worker gives the trained logprobs.
+worker's; the expert weights never change; the resumed worker holds the trained worker's
+weights and buffers bit for bit, and its logprobs differ from the trained worker's no more
+than that worker's own two logprob passes do (each arm's repeated pass is reported).
 
     python3 benchmarks/nemo_rl_run.py --out-dir OUT [--steps 6] [--arms ...]
 
@@ -141,6 +143,10 @@ def worker(arm: str, out: Path, steps: int) -> None:
         trained = torch.load(out / "torch_trained_logprobs.pt")
         result["resumed_vs_trained_logprobs_max_abs"] = shared.max_abs(logprobs[:, 1:],
                                                                         trained[:, 1:])
+        result["resumed_repeat_logprobs_max_abs"] = shared.max_abs(
+            built.get_logprobs(data=data)["logprobs"][:, 1:], logprobs[:, 1:])
+        result["resumed_state_differs"] = state_differences(
+            torch.load(out / "torch_trained_state.pt"), model_state(model))
         (out / f"{arm}.json").write_text(json.dumps(result))
         return
     experts_before = {n: p.detach().clone() for n, p in model.named_parameters()
@@ -169,13 +175,33 @@ def worker(arm: str, out: Path, steps: int) -> None:
     # The trained model's logprobs: what compares the arms after training (the GRPO loss
     # cannot: its importance ratio is 1 by construction) and what the resumed arm must give.
     built.prepare_for_lp_inference()
-    torch.save(built.get_logprobs(data=data)["logprobs"].cpu(), out / f"{arm}_trained_logprobs.pt")
+    trained = built.get_logprobs(data=data)["logprobs"]
+    torch.save(trained.cpu(), out / f"{arm}_trained_logprobs.pt")
+    # The floor for the resume: the same worker's logprob pass once more, nothing changed.
+    result["repeat_logprobs_max_abs"] = shared.max_abs(
+        built.get_logprobs(data=data)["logprobs"][:, 1:], trained[:, 1:])
     if arm == "torch":
+        torch.save(model_state(model), out / "torch_trained_state.pt")
         policy_dir = step_dir / "policy"
         built.save_checkpoint(weights_path=str(policy_dir / "weights"),
                               optimizer_path=str(policy_dir / "optimizer"),
                               tokenizer_path=str(policy_dir / "tokenizer"))
     (out / f"{arm}.json").write_text(json.dumps(result))
+
+
+def model_state(model) -> dict:
+    """Every parameter and buffer of the model, on the CPU, by name."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    return {name: tensor.detach().cpu().clone() for name, tensor in named}
+
+
+def state_differences(trained: dict, resumed: dict) -> dict:
+    """Names missing on either side, and those whose values differ (with the max abs)."""
+    differs = {name: float((trained[name].double() - resumed[name].double()).abs().max())
+               for name in trained.keys() & resumed.keys()
+               if not torch.equal(trained[name], resumed[name])}
+    return dict(missing=sorted(trained.keys() - resumed.keys()),
+                extra=sorted(resumed.keys() - trained.keys()), values=differs)
 
 
 def nemo_rl_configs() -> Path:
@@ -244,9 +270,19 @@ def main() -> None:
             continue
         if "steps" not in result:   # the resumed arm
             diff = result["resumed_vs_trained_logprobs_max_abs"]
-            ok &= diff == 0.0 and result["experts"][0] == "TorchGroupedMLP"
+            state = result["resumed_state_differs"]
+            # The resume brings back every weight and buffer bit for bit; its logprobs may differ
+            # from the trained worker's no more than that worker's own two passes do.
+            floor = max(results.get("torch", {}).get("repeat_logprobs_max_abs", 0.0),
+                        result["resumed_repeat_logprobs_max_abs"])
+            state_ok = not (state["missing"] or state["extra"] or state["values"])
+            ok &= state_ok and diff <= floor and result["experts"][0] == "TorchGroupedMLP"
             rows.append([arm, ", ".join(sorted(set(result["experts"]))), "-", "-", "-", "-",
-                         "-", f"logprobs vs trained worker: max abs {diff:.1e}"])
+                         "-", f"logprobs vs trained worker: max abs {diff:.1e} (a repeated "
+                         f"pass: {floor:.1e}); weights and buffers: "
+                         + ("bitwise the trained worker's" if state_ok else
+                            f"{len(state['values'])} differ, {len(state['missing'])} missing, "
+                            f"{len(state['extra'])} extra")])
             continue
         stock = results.get("stock-full" if arm.endswith("full") else "stock", {})
         timed_steps = result["steps"][args.skip:] or result["steps"]
@@ -273,6 +309,7 @@ def main() -> None:
                     ok &= diff < 0.1
             ok &= loss < 0.05
         ok &= result["expert_weights_changed"] == 0 or arm == "stock-full"
+        notes.append(f"repeated logprob pass: max abs {result['repeat_logprobs_max_abs']:.1e}")
         rows.append([arm, ", ".join(sorted(set(result["experts"]))),
                      f"{train:.1f} ({min(s['train_ms'] for s in timed_steps):.1f}–"
                      f"{max(s['train_ms'] for s in timed_steps):.1f})", f"{logprob:.1f}",

@@ -455,6 +455,25 @@ def test_batch_invariance_probe_tiny_finds_the_control_and_reports_every_piece(t
     report = json.loads((tmp_path / "batch_invariance.json").read_text())
     verdicts = report["verdicts"]
     assert verdicts.pop("control (subtracts the batch mean)") is False
-    assert len(verdicts) == 8 and all(verdicts.values()), verdicts
-    assert len(report["rows"]) == 2 * 9 * 3   # 2 shapes (SwiGLU, squared ReLU); run to run, 2 batches
+    assert len(verdicts) == 9 and all(verdicts.values()), verdicts
+    assert len(report["rows"]) == 2 * 10 * 3   # 2 shapes (SwiGLU, squared ReLU); run to run, 2 batches
     assert not any("error" in row[-1] for row in report["rows"]), report["rows"]
+
+
+@pytest.mark.once_per_venv
+def test_nemo_rl_resume_check_names_each_weight_or_buffer_that_did_not_come_back(monkeypatch):
+    """nemo_rl_run.py's resume check: the resumed worker's weights and buffers against the
+    trained worker's, bit for bit, with the names that are missing, extra or different."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("nemo_rl_run", REPO / "benchmarks" / "nemo_rl_run.py")
+    nemo_rl_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(nemo_rl_run)
+    trained = {"a": torch.ones(2), "b": torch.zeros(3), "gone": torch.ones(1)}
+    resumed = {"a": torch.ones(2), "b": torch.tensor([0.0, -0.5, 0.0]), "new": torch.ones(1)}
+    assert nemo_rl_run.state_differences(trained, resumed) == dict(
+        missing=["gone"], extra=["new"], values={"b": 0.5})
+    assert nemo_rl_run.state_differences(trained, {k: v.clone() for k, v in trained.items()}) \
+        == dict(missing=[], extra=[], values={})
+    model = torch.nn.BatchNorm1d(2)
+    assert sorted(nemo_rl_run.model_state(model)) == [
+        "bias", "num_batches_tracked", "running_mean", "running_var", "weight"]
