@@ -15,13 +15,19 @@ probe tokens in the middle of the token order so that other rows come before and
 - a control that is not ours (each row minus the batch's mean row): it must come out
   batch-dependent, or the probe is broken (exit 1).
 
-    python3 benchmarks/batch_invariance_probe.py --out-dir OUT [--tiny]
+`--megatron-mode`: every piece inside megatron-core 0.20's `set_batch_invariant_mode(True,
+backend="triton")`, which routes `aten::mm`/`addmm` (the shared factors' matmuls) through its
+batch-invariant Triton matmul, as Megatron's `batch_invariant_mode` does for the whole run.
+
+    python3 benchmarks/batch_invariance_probe.py --out-dir OUT [--tiny] [--megatron-mode]
+        [--pieces ...]
 
 Prints and writes a table: piece, shape, context, output / gradients bitwise equal to the probe
 alone, max abs difference where not.
 """
 
 import argparse
+import contextlib
 import math
 import sys
 from types import SimpleNamespace
@@ -229,22 +235,11 @@ def compare(alone: dict, other: dict) -> str:
     return ", ".join(notes)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out-dir", required=True)
-    parser.add_argument("--tiny", action="store_true", help="one tiny shape (a smoke run)")
-    parser.add_argument("--pieces", default=",".join(PIECES),
-                        help=f"comma-separated, of: {', '.join(PIECES)}")
-    args = parser.parse_args()
-    pieces = args.pieces.split(",")
-    unknown = sorted(set(pieces) - set(PIECES))
-    if unknown:
-        parser.error(f"--pieces: unknown piece(s) {unknown}; choose from {list(PIECES)}")
-    if not torch.cuda.is_available():
-        harness.rerun_with_cpu_env()   # the Triton pieces in the interpreter
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def measure(args, pieces) -> tuple:
+    """The probe's rows (piece, shape, batch, comparison) and each piece's verdict."""
     shapes = TINY if args.tiny else SHAPES
     contexts = {"among 7x others": (7, False), "skewed": (7, True)} if args.tiny else CONTEXTS
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows, verdicts = [], {}
     for shape_name, shape in shapes.items():
         w1, w2, lora = weights(shape, device)
@@ -266,7 +261,43 @@ def main() -> None:
                 rows.append([piece, shape_name, f"{context} ({other.rows_total:,} rows)", note])
                 verdicts[piece] = verdicts.get(piece, True) and "differs" not in note
             del reference
-    header = harness.header(device, packages=("triton",))
+    return rows, verdicts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--tiny", action="store_true", help="one tiny shape (a smoke run)")
+    parser.add_argument("--pieces", default=",".join(PIECES),
+                        help=f"comma-separated, of: {', '.join(PIECES)}")
+    parser.add_argument("--megatron-mode", action="store_true",
+                        help="every piece under Megatron's batch-invariant kernels (0.20+)")
+    args = parser.parse_args()
+    pieces = args.pieces.split(",")
+    unknown = sorted(set(pieces) - set(PIECES))
+    if unknown:
+        parser.error(f"--pieces: unknown piece(s) {unknown}; choose from {list(PIECES)}")
+    if not torch.cuda.is_available():
+        if args.megatron_mode:
+            parser.error("--megatron-mode: Megatron's batch-invariant kernels need a CUDA GPU")
+        harness.rerun_with_cpu_env()   # the Triton pieces in the interpreter
+    mode = contextlib.nullcontext()
+    if args.megatron_mode:
+        try:
+            from megatron.core.transformer.custom_layers.batch_invariant_kernels import (
+                set_batch_invariant_mode,
+            )
+        except ImportError as exc:
+            parser.error(f"--megatron-mode: this megatron-core has no batch-invariant kernels "
+                         f"(0.20 or newer has them): {exc}")
+        mode = set_batch_invariant_mode(True, backend="triton")
+    with mode:
+        rows, verdicts = measure(args, pieces)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    header = harness.header(device, packages=("triton", "megatron-core"))
+    if args.megatron_mode:
+        header.append("every piece inside megatron-core's set_batch_invariant_mode(True, "
+                      "backend='triton')")
     body = [f"{PROBE_TOKENS} probe tokens (their values, routing and gradients the same in every "
             f"batch), LoRA rank {RANK}; each piece run on the probe tokens alone, then inside "
             "each larger batch; the probe tokens' results compared bit for bit.", ""]

@@ -477,3 +477,14 @@ def test_nemo_rl_resume_check_names_each_weight_or_buffer_that_did_not_come_back
     model = torch.nn.BatchNorm1d(2)
     assert sorted(nemo_rl_run.model_state(model)) == [
         "bias", "num_batches_tracked", "running_mean", "running_var", "weight"]
+
+
+@pytest.mark.once_per_venv
+def test_batch_invariance_probe_refuses_megatrons_mode_without_a_gpu(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is here: the mode runs")
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "batch_invariance_probe.py"),
+                           "--tiny", "--megatron-mode", "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--megatron-mode: Megatron's batch-invariant kernels need a CUDA GPU" in proc.stderr
