@@ -31,10 +31,15 @@ LEGS_ALL="0.16.1 0.17.1 0.18.2 0.19.2 0.20.0"
 #   bench_smoke    0.19.2, the release the GPU benchmarks run on (BENCHMARKS.md): the other
 #                  benchmarks' CPU smoke runs (bench_cycle, cycle_memory, the Bridge and
 #                  Automodel benchmarks), which hold nothing release-specific.
-# MCORE_TORCH_EXPERTS_ONCE_PER_VENV_LEGS and MCORE_TORCH_EXPERTS_BENCH_SMOKE_LEGS override the
-# lists ("all": every leg).
+#   distributed    the torchrun workers (expert, tensor and expert-tensor parallelism, DDP,
+#                  distributed checkpoints): 0.16.1, 0.19.2 and 0.20.0, the oldest release, the
+#                  last with a PyPI wheel (Bridge 0.6.2's) and the one NeMo-RL pins. 0.17.1 and
+#                  0.18.2 run everything else; a torchrun launch costs 8 to 18 s of CI per leg.
+# MCORE_TORCH_EXPERTS_ONCE_PER_VENV_LEGS, MCORE_TORCH_EXPERTS_BENCH_SMOKE_LEGS and
+# MCORE_TORCH_EXPERTS_DISTRIBUTED_LEGS override the lists ("all": every leg).
 LEGS_ONCE_PER_VENV=${MCORE_TORCH_EXPERTS_ONCE_PER_VENV_LEGS:-0.16.1 0.19.2}
 LEGS_BENCH_SMOKE=${MCORE_TORCH_EXPERTS_BENCH_SMOKE_LEGS:-0.19.2}
+LEGS_DISTRIBUTED=${MCORE_TORCH_EXPERTS_DISTRIBUTED_LEGS:-0.16.1 0.19.2 0.20.0}
 TORCH_VERSION=2.13.0
 BRIDGE_VERSION=0.6.2
 # The 0.20.0 leg: megatron-core 0.20.0 and megatron-bridge 0.7.0 are not released as wheels; NeMo-RL
@@ -87,7 +92,8 @@ RUFF_VERSION=0.17.6
 
 leg_skips() {  # leg -> "marker=legs;" for each marker above whose tests skip on that leg
   local leg=$1 pair legs
-  for pair in "once_per_venv=$LEGS_ONCE_PER_VENV" "bench_smoke=$LEGS_BENCH_SMOKE"; do
+  for pair in "once_per_venv=$LEGS_ONCE_PER_VENV" "bench_smoke=$LEGS_BENCH_SMOKE" \
+      "distributed=$LEGS_DISTRIBUTED"; do
     legs=${pair#*=}
     [ "$legs" = all ] || [[ " $legs " == *" $leg "* ]] || printf '%s;' "$pair"
   done
