@@ -10,7 +10,8 @@ probe tokens in the middle of the token order so that other rows come before and
   output and the input and probs gradients;
 - `fused kernels`: the same through our Triton kernels (`fused_experts`), without an adapter and
   with a shared or per-expert LoRA adapter on both linears (output, input and probs gradients);
-- `shared LoRA down`: scale * x @ A.T as a plain matmul over all rows (a shared factor);
+- `shared LoRA down`: scale * x @ A.T over all rows (a shared factor), as a plain matmul and as
+  one group of the frozen grouped GEMM;
 - `fp32 combine`: each token's rows summed in FP32 (torch chunked and triton backends);
 - a control that is not ours (each row minus the batch's mean row): it must come out
   batch-dependent, or the probe is broken (exit 1).
@@ -235,11 +236,10 @@ def compare(alone: dict, other: dict) -> str:
     return ", ".join(notes)
 
 
-def measure(args, pieces) -> tuple:
+def measure(args, pieces, device) -> tuple:
     """The probe's rows (piece, shape, batch, comparison) and each piece's verdict."""
     shapes = TINY if args.tiny else SHAPES
     contexts = {"among 7x others": (7, False), "skewed": (7, True)} if args.tiny else CONTEXTS
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows, verdicts = [], {}
     for shape_name, shape in shapes.items():
         w1, w2, lora = weights(shape, device)
@@ -291,9 +291,9 @@ def main() -> None:
             parser.error(f"--megatron-mode: this megatron-core has no batch-invariant kernels "
                          f"(0.20 or newer has them): {exc}")
         mode = set_batch_invariant_mode(True, backend="triton")
-    with mode:
-        rows, verdicts = measure(args, pieces)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with mode:
+        rows, verdicts = measure(args, pieces, device)
     header = harness.header(device, packages=("triton", "megatron-core"))
     if args.megatron_mode:
         header.append("every piece inside megatron-core's set_batch_invariant_mode(True, "
