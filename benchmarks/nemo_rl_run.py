@@ -8,9 +8,12 @@ NeMo-RL's setup in its own order (HF import with the spec, model and optimizer, 
 from one Qwen3-MoE-like HF checkpoint, with the Megatron GRPO recipe and the docs' YAML block
 (TE attention and linears, BF16, the alltoall dispatcher, full recompute), then `--steps` GRPO
 steps as `grpo.py` runs them: `get_logprobs` (the previous policy's logprobs),
-`get_reference_policy_logprobs`, `train` with NeMo-RL's `ClippedPGLossFn`. The PEFT arm of ours
-saves with the worker's `save_checkpoint`; a later process resumes from it as NeMo-RL resumes
-a run (`CheckpointManager.get_resume_paths`) and must give the trained logprobs.
+`get_reference_policy_logprobs`, `train` with NeMo-RL's `ClippedPGLossFn`. The PEFT arms of
+ours and of the stock worker save with the worker's `save_checkpoint`; a later process
+(`torch-resumed`, `stock-resumed`) resumes from that save as NeMo-RL resumes a run
+(`CheckpointManager.get_resume_paths`) and must give the trained logprobs. Where a resumed
+tensor differs from the trained one, the report says whether it holds its initial value and
+whether the checkpoint holds the trained one.
 
 Checks: ours builds TorchGroupedMLP experts; the first logprobs (before any step) match the
 stock worker's on the same checkpoint within BF16 noise; the GRPO losses follow the stock
@@ -26,6 +29,7 @@ scripts/gpu_client_routes.sh installs the stack (wheels, NeMo-RL's source) and r
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -42,15 +46,17 @@ MODEL = dict(vocab_size=8192, hidden_size=1024, intermediate_size=3072, moe_inte
              num_experts=64, num_experts_per_tok=8, max_position_embeddings=4096,
              tie_word_embeddings=False)
 SEQUENCES, SEQ = 8, 2048
-# name: (worker, PEFT, TE's CUTLASS grouped GEMM, resume from the "torch" arm's save)
+# name: (worker, PEFT, TE's CUTLASS grouped GEMM, resumed from that worker's PEFT arm's save)
 ARMS = {
     "stock": ("stock", True, False, False),
     "stock-cutlass": ("stock", True, True, False),
     "torch": ("torch", True, False, False),
     "torch-resumed": ("torch", True, False, True),
+    "stock-resumed": ("stock", True, False, True),
     "stock-full": ("stock", False, False, False),
     "torch-full": ("torch", False, False, False),
 }
+SAVING_ARMS = ("torch", "stock")  # the arms a "-resumed" arm resumes from
 REPO = Path(__file__).resolve().parents[1]
 # What the arms import besides the package: the CPU test's worker helpers (tests/workers), the
 # docs' snippets (tests) and the tiny checkpoint's example (examples).
@@ -125,7 +131,7 @@ def worker(arm: str, out: Path, steps: int) -> None:
             .__ray_metadata__.modified_class
     else:
         worker_class = MegatronPolicyWorkerImpl
-    step_dir = out / "checkpoints" / "step_1"
+    step_dir = out / f"checkpoints_{kind}" / "step_1"
     resume = {}
     if resumed:
         weights_path, optimizer_path = CheckpointManager.get_resume_paths(step_dir)
@@ -140,15 +146,20 @@ def worker(arm: str, out: Path, steps: int) -> None:
     data = grpo_batch(shared, tokens)
     if resumed:
         logprobs = built.get_logprobs(data=data)["logprobs"]
-        trained = torch.load(out / "torch_trained_logprobs.pt")
+        trained = torch.load(out / f"{kind}_trained_logprobs.pt")
         result["resumed_vs_trained_logprobs_max_abs"] = shared.max_abs(logprobs[:, 1:],
                                                                         trained[:, 1:])
         result["resumed_repeat_logprobs_max_abs"] = shared.max_abs(
             built.get_logprobs(data=data)["logprobs"][:, 1:], logprobs[:, 1:])
-        result["resumed_state_differs"] = state_differences(
-            torch.load(out / "torch_trained_state.pt"), model_state(model))
+        trained_state = torch.load(out / f"{kind}_trained_state.pt")
+        resumed_state = model_state(model)
+        result["resumed_state_differs"] = state_differences(trained_state, resumed_state)
+        result["resumed_state_sources"] = state_sources(
+            resumed_state, trained_state, torch.load(out / f"{kind}_initial_state.pt"),
+            step_dir / "policy" / "weights")
         (out / f"{arm}.json").write_text(json.dumps(result))
         return
+    torch.save(model_state(model), out / f"{kind}_initial_state.pt")
     experts_before = {n: p.detach().clone() for n, p in model.named_parameters()
                       if ".mlp.experts." in n and "adapter" not in n}
     result["trainable"] = sum(p.requires_grad for p in model.parameters())
@@ -180,12 +191,18 @@ def worker(arm: str, out: Path, steps: int) -> None:
     # The floor for the resume: the same worker's logprob pass once more, nothing changed.
     result["repeat_logprobs_max_abs"] = shared.max_abs(
         built.get_logprobs(data=data)["logprobs"][:, 1:], trained[:, 1:])
-    if arm == "torch":
-        torch.save(model_state(model), out / "torch_trained_state.pt")
+    if arm in SAVING_ARMS:
+        state = model_state(model)
+        torch.save(state, out / f"{kind}_trained_state.pt")
         policy_dir = step_dir / "policy"
         built.save_checkpoint(weights_path=str(policy_dir / "weights"),
                               optimizer_path=str(policy_dir / "optimizer"),
                               tokenizer_path=str(policy_dir / "tokenizer"))
+        # With the recipe's async_save the write completes only when the caller waits for it,
+        # as NeMo-RL's GRPO loop does (Policy.finalize_async_save) before it goes on.
+        built.finalize_async_save()
+        # The save must leave the model as it was.
+        result["changed_by_save"] = state_differences(state, model_state(model))["values"]
     (out / f"{arm}.json").write_text(json.dumps(result))
 
 
@@ -193,6 +210,51 @@ def model_state(model) -> dict:
     """Every parameter and buffer of the model, on the CPU, by name."""
     named = [*model.named_parameters(), *model.named_buffers()]
     return {name: tensor.detach().cpu().clone() for name, tensor in named}
+
+
+def state_sources(resumed: dict, trained: dict, initial: dict, weights: Path) -> dict:
+    """For each tensor the resumed worker holds other than the trained worker's: its max abs
+    against the trained and the initial values, and what the saved checkpoint holds for it (the
+    layer's slice of the stacked key; a shared expert adapter's first expert slot)."""
+    try:
+        from megatron.core import dist_checkpointing
+
+        folders = sorted(path.parent for path in weights.rglob("metadata.json"))
+        saved = dist_checkpointing.load_plain_tensors(str(folders[-1])) if folders else {}
+        saved_error = None if folders else f"no metadata.json under {weights}"
+    except Exception as error:  # a report, not a crash: the other figures still come back
+        saved, saved_error = {}, f"{type(error).__name__}: {error}"
+    sources = {"saved_keys": sorted(saved), "saved_error": saved_error, "tensors": {}}
+    for name in sorted(trained.keys() & resumed.keys()):
+        if torch.equal(trained[name], resumed[name]):
+            continue
+        row = {"vs_trained": max_abs(resumed[name], trained[name]),
+               "vs_initial": max_abs(resumed[name], initial[name])
+               if name in initial else None}
+        layer = re.match(r"(.*decoder\.layers\.)(\d+)\.(.*)$", name)
+        key = f"{layer[1]}{layer[3]}" if layer else name
+        # Grouped experts' checkpoint keys repeat `experts.` (Megatron's layout for
+        # TEGroupedMLP, which ours keeps).
+        keys = {key, key.replace(".mlp.experts.", ".mlp.experts.experts.")}
+        # The model's own key, and the optimizer's FP32 copy of the parameter where it has one.
+        for saved_key in [k for k in saved if k in keys or (
+                "fp32_param" in k and any(k.endswith(f".{key}") for key in keys))]:
+            row[saved_key] = {"shape": list(saved[saved_key].shape)}
+            try:
+                value = saved[saved_key][int(layer[2])] if layer else saved[saved_key]
+                while value.dim() > trained[name].dim():
+                    value = value[0]
+                row[saved_key].update(vs_trained=max_abs(value, trained[name]),
+                                      vs_initial=max_abs(value, initial[name])
+                                      if name in initial else None)
+            except (IndexError, RuntimeError) as error:  # a layout this reading does not know
+                row[saved_key]["error"] = f"{type(error).__name__}: {error}"
+        sources["tensors"][name] = row
+    return sources
+
+
+def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
 
 
 def state_differences(trained: dict, resumed: dict) -> dict:
@@ -273,15 +335,23 @@ def main() -> None:
             state = result["resumed_state_differs"]
             # The resume brings back every weight and buffer bit for bit; its logprobs may differ
             # from the trained worker's no more than that worker's own two passes do.
-            floor = max(results.get("torch", {}).get("repeat_logprobs_max_abs", 0.0),
+            floor = max(results.get(ARMS[arm][0], {}).get("repeat_logprobs_max_abs", 0.0),
                         result["resumed_repeat_logprobs_max_abs"])
             state_ok = not (state["missing"] or state["extra"] or state["values"])
-            ok &= state_ok and diff <= floor and result["experts"][0] == "TorchGroupedMLP"
+            ours = ARMS[arm][0] == "torch"
+            ok &= state_ok and diff <= floor and (result["experts"][0] == "TorchGroupedMLP"
+                                                  or not ours)
+            sources = result["resumed_state_sources"]["tensors"].values()
+            back_to_initial = sum(row["vs_initial"] == 0.0 for row in sources)
+            saved_trained = sum(any(isinstance(v, dict) and v.get("vs_trained") == 0.0
+                                    for v in row.values()) for row in sources)
             rows.append([arm, ", ".join(sorted(set(result["experts"]))), "-", "-", "-", "-",
                          "-", f"logprobs vs trained worker: max abs {diff:.1e} (a repeated "
                          f"pass: {floor:.1e}); weights and buffers: "
                          + ("bitwise the trained worker's" if state_ok else
-                            f"{len(state['values'])} differ, {len(state['missing'])} missing, "
+                            f"{len(state['values'])} differ ({back_to_initial} hold their "
+                            f"initial values; the checkpoint holds the trained values of "
+                            f"{saved_trained}), {len(state['missing'])} missing, "
                             f"{len(state['extra'])} extra")])
             continue
         stock = results.get("stock-full" if arm.endswith("full") else "stock", {})
