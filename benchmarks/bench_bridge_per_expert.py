@@ -77,7 +77,7 @@ def main():
     shapes = TINY_SHAPES if args.tiny else SHAPES
     if args.tiny:
         args.shapes, args.warmup, args.reps = ",".join(TINY_SHAPES), 1, 2
-    from mcore_torch_experts.testing.bridge_imports import import_megatron_bridge
+    from support.bridge_imports import import_megatron_bridge
 
     import_megatron_bridge()
     from megatron.bridge.peft.adapter_wrapper import AdapterWrapper

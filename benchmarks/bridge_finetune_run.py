@@ -59,7 +59,7 @@ def config(phase: str, out: Path, iters: int, expert_adapters: str):
     from megatron.bridge.models.gpt_provider import GPTModelProvider
     from megatron.bridge.peft.lora import LoRA
 
-    from mcore_torch_experts.testing.bridge_finetune import Phase, Schedule, finetune_config
+    from support.bridge_finetune import Phase, Schedule, finetune_config
 
     experts, train_iters, load, save = PHASES[phase]
     train_iters = {None: iters, "half": iters // 2}.get(train_iters, train_iters)

@@ -207,7 +207,7 @@ def import_bridge_peft() -> None:
     exceptions of the optional imports it tries, and with their tracebacks every frame then on
     the stack, which would keep the first arm's model alive past its turn."""
     import mcore_torch_experts
-    from mcore_torch_experts.testing.bridge_imports import import_megatron_bridge
+    from support.bridge_imports import import_megatron_bridge
 
     import_megatron_bridge()
     mcore_torch_experts.register_with_megatron_bridge()

@@ -24,7 +24,7 @@ def init_parallel(ep: int, device: torch.device) -> None:
     state with expert parallelism `ep`; then the single-process example's Megatron fixes."""
     from megatron.core import parallel_state
 
-    from mcore_torch_experts.testing.cpu_support import init_single_process_megatron
+    from support.cpu_support import init_single_process_megatron
 
     if "WORLD_SIZE" in os.environ and not torch.distributed.is_initialized():
         if device.type == "cuda":

@@ -31,6 +31,11 @@ import torch
 MIB = 2.0 ** 20
 GIB = 2.0 ** 30
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The test side's `support` package (tests/support: the CPU patch table, Bridge's imports without
+# Transformer Engine, the Bridge finetune config) serves the benchmarks' CPU modes and the client
+# routes; appended, so that nothing in tests/ shadows an installed module.
+if str(REPO_ROOT / "tests") not in sys.path:
+    sys.path.append(str(REPO_ROOT / "tests"))
 
 # On the CPU a benchmark re-executes itself with these set (`rerun_with_cpu_env`): glibc then maps
 # every buffer of 64 KiB or more separately and unmaps it when freed, so peak RSS sees each

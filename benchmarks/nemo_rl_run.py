@@ -98,7 +98,7 @@ def timed(call):
 def worker(arm: str, out: Path, steps: int) -> None:
     """One arm: the worker built as its Ray actor would be, then `steps` GRPO steps."""
     import nemo_rl_worker_run as shared
-    from mcore_torch_experts.testing import bridge_imports
+    from support import bridge_imports
 
     kind, peft, _, resumed = ARMS[arm]
     import ray

@@ -1,10 +1,11 @@
 """A Megatron-Bridge style model provider (a dataclass config with `provide()`) that declares
 `moe_expert_gemm_backend` and names the reference spec that follows it: MoE layers get
 TorchGroupedMLP experts when the field says "torch", set here with `dataclasses.replace` (as
-NeMo-RL applies `model_overrides`). Runs a tiny GPT-MoE on the CPU; Megatron-Bridge itself is
-not needed (and not imported).
+NeMo-RL applies `model_overrides`). Runs a tiny GPT-MoE (on the GPU, or on the CPU through the
+launcher below); Megatron-Bridge itself is not needed (the example never imports it).
 
     python examples/bridge_style_provider.py
+    python tests/support/run_on_cpu.py examples/bridge_style_provider.py   (a host without CUDA)
 
 With the real Megatron-Bridge no subclass is needed: name the launcher entry point on the
 provider AutoBridge returns, `provider.transformer_layer_spec =
@@ -24,12 +25,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mcore_torch_experts import TorchExpertsTransformerConfig
 from mcore_torch_experts.specs import gpt_transformer_layer_spec
-from mcore_torch_experts.testing.cpu_support import (
-    describe_layers,
-    init_single_process_megatron,
-    shutdown_megatron,
-    training_step_loss,
-)
+from single_process import describe_layers, init_megatron, shutdown_megatron, training_step_loss
 
 MODEL_OVERRIDES = {"moe_expert_gemm_backend": "torch", "moe_grouped_gemm": True}
 
@@ -57,7 +53,7 @@ class TinyGPTMoEProvider(TorchExpertsTransformerConfig):
 
 
 def main():
-    init_single_process_megatron()
+    init_megatron()
     on_cpu = not torch.cuda.is_available()
     provider = TinyGPTMoEProvider(
         num_layers=3, moe_layer_freq=[0, 1, 1], hidden_size=64, num_attention_heads=4,

@@ -2,6 +2,7 @@
 Megatron's SequentialMLP as its experts; run forward and backward; print agreement and timings.
 
     python examples/demo_moe_layer.py [--experts 16] [--tokens 2048] [--hidden 256] [--ffn 512]
+    python tests/support/run_on_cpu.py examples/demo_moe_layer.py [...]   (a host without CUDA)
 """
 
 import argparse
@@ -10,7 +11,7 @@ import time
 import torch
 
 from mcore_torch_experts import TorchExpertsTransformerConfig, TorchGroupedMLP, build_moe_layer
-from mcore_torch_experts.testing.cpu_support import init_single_process_megatron, shutdown_megatron
+from single_process import init_megatron, shutdown_megatron
 
 
 def make_config(args, backend):
@@ -48,7 +49,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    init_single_process_megatron()
+    init_megatron()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     ours = build_moe_layer(make_config(args, "torch")).to(device)

@@ -4,6 +4,7 @@ full activation recompute.
     python examples/finetune_lora.py [--steps 300] [--recompute-method uniform|block]
                                      [--expert-adapter per_expert|shared] [--out-dir DIR]
                                      [--transformer-engine]
+    python tests/support/run_on_cpu.py examples/finetune_lora.py [...]   (a host without CUDA)
 
 1. builds a small GPT-MoE from the reference spec with moe_expert_gemm_backend="torch"
 2. checks its first MoE layer against the same layer with Megatron's SequentialMLP experts
@@ -37,7 +38,7 @@ from mcore_torch_experts.lora import (
 )
 from mcore_torch_experts.model import build_gpt_model
 from mcore_torch_experts.specs import get_gpt_decoder_block_spec
-from mcore_torch_experts.testing.cpu_support import init_single_process_megatron, shutdown_megatron
+from single_process import init_megatron, shutdown_megatron
 
 TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 STEPS = (1, 2, 3, 5)  # the synthetic language: x[t+1] = (x[t] + step) mod vocab
@@ -214,7 +215,7 @@ def main():
                                         and importlib.util.find_spec("transformer_engine")):
         parser.error("--transformer-engine needs Transformer Engine and a CUDA device")
 
-    init_single_process_megatron()
+    init_megatron()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = make_config(args, dtype)

@@ -1,9 +1,9 @@
 """Bring your own checkpoint: a Hugging Face Qwen3-MoE checkpoint imported with Megatron-Bridge
 into a model whose experts are TorchGroupedMLP, LoRA adapters trained on it, and the result
-exported back to Hugging Face format. On the CPU (a CUDA host too), FP32; needs megatron-bridge and
-transformers (the Python 3.12 / megatron-core 0.19 leg).
+exported back to Hugging Face format. On the CPU (a CUDA host too), FP32, through the CPU launcher;
+needs megatron-bridge and transformers (the Python 3.12 / megatron-core 0.19 and 0.20 legs).
 
-    python examples/hf_roundtrip.py [--out-dir runs/hf_roundtrip] [--steps 20]
+    python tests/support/run_on_cpu.py examples/hf_roundtrip.py [--out-dir runs/hf_roundtrip] [--steps 20]
 
 1. Makes a tiny Qwen3-MoE checkpoint locally (random weights from a small config, no download).
 2. `AutoBridge.from_hf_pretrained(path).to_megatron_provider()`, with the provider naming the
@@ -31,8 +31,7 @@ import torch
 from mcore_torch_experts import apply_lora, lora_parameters, register_with_megatron_bridge
 from mcore_torch_experts.lora import LoRALinear, PerExpertLoRAAdapter
 from mcore_torch_experts.specs import torch_experts_gpt_spec
-from mcore_torch_experts.testing.bridge_imports import import_megatron_bridge
-from mcore_torch_experts.testing.cpu_support import init_single_process_megatron, shutdown_megatron
+from single_process import init_megatron, on_cpu, shutdown_megatron
 
 TINY_QWEN3_MOE = dict(vocab_size=128, hidden_size=64, intermediate_size=128,
                       moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -189,8 +188,10 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     out = Path(args.out_dir)
-    import_megatron_bridge()
-    init_single_process_megatron(on_cpu=True)
+    if not on_cpu():
+        raise SystemExit("hf_roundtrip.py runs on the CPU (a tiny FP32 model): "
+                         "python tests/support/run_on_cpu.py examples/hf_roundtrip.py")
+    init_megatron()
     from safetensors.torch import load_file
 
     make_tiny_checkpoint(out / "hf_tiny")

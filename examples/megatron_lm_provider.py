@@ -1,7 +1,9 @@
 """A launcher's own Megatron-LM style `model_provider` whose MoE layers get TorchGroupedMLP experts
-(`--moe-expert-gemm-backend transformer_engine` keeps Megatron's). Runs a tiny GPT-MoE on the CPU.
+(`--moe-expert-gemm-backend transformer_engine` keeps Megatron's). Runs a tiny GPT-MoE (on the GPU,
+or on the CPU through the launcher below).
 
     python examples/megatron_lm_provider.py [--moe-expert-gemm-backend transformer_engine]
+    python tests/support/run_on_cpu.py examples/megatron_lm_provider.py [...]   (a host without CUDA)
 
 Stock Megatron-LM 0.19 needs none of this: `pretrain_gpt.py ... --spec mcore_torch_experts.specs
 torch_experts_gpt_spec` (docs/enable.md). A launcher that keeps its own provider gives it the
@@ -22,12 +24,7 @@ from megatron.core.models.gpt import GPTModel
 from mcore_torch_experts import TorchExpertsTransformerConfig
 from mcore_torch_experts.config import ExpertGemmBackend
 from mcore_torch_experts.specs import torch_experts_gpt_spec
-from mcore_torch_experts.testing.cpu_support import (
-    describe_layers,
-    init_single_process_megatron,
-    shutdown_megatron,
-    training_step_loss,
-)
+from single_process import describe_layers, init_megatron, shutdown_megatron, training_step_loss
 
 _ARGS = None  # Megatron-LM: megatron.training.get_args()
 
@@ -86,7 +83,7 @@ def main():
                         choices=["local", "transformer_engine"])
     _ARGS = args = parser.parse_args()
 
-    init_single_process_megatron()
+    init_megatron()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     model = model_provider().to(device)

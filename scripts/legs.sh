@@ -78,7 +78,7 @@ NEMO_RL_LIGHT_DEPS="transformers>=5.8,<5.9 ray pydantic pyzmq nvidia-ml-py fasta
 # dependencies (they include torch and CUDA-only packages). nvidia-resiliency-ext is not among
 # them: its 0.7.0 is a cp312 manylinux_2_39 wheel this glibc cannot install, and what installs
 # here (0.4.1) breaks the import of megatron-core 0.19.2, which asks for 0.6+
-# (mcore_torch_experts.testing.bridge_imports.import_megatron_bridge_training); the GPU runs
+# (support.bridge_imports.import_megatron_bridge_training); the GPU runs
 # install the real 0.7.0 (scripts/gpu_client_routes.sh).
 BRIDGE_TRAINING_DEPS="datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pandas==3.1.1 pyarrow==26.0.1 xxhash==4.1.0 requests==2.34.2 urllib3==2.8.0 charset-normalizer==3.5.3 nvidia-modelopt==0.47.0 scipy==1.18.1 PuLP==3.3.2 megatron-energon==7.4.1 multi-storage-client==1.3.1 xattr==1.3.1 cffi==2.1.1 pycparser==3.12 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0 lark==1.3.1 wcmatch==10.2.1 bracex==3.2.3 opentelemetry-api==1.45.2 braceexpand==0.1.7 rapidyaml==0.15.2 deprecation==2.1.0 filetype==1.2.0 webdataset==1.0.2 tensorboard==2.21.0 protobuf==6.33.6 absl-py==2.5.1"
 AUTOMODEL_VERSION=0.7.0

@@ -1,5 +1,5 @@
 """Run by test_bridge_save_merged.py in its own process (Bridge's import needs a Transformer
-Engine stand-in, see mcore_torch_experts.testing.bridge_imports.import_megatron_bridge, that must
+Engine stand-in, see support.bridge_imports.import_megatron_bridge, that must
 not reach other tests).
 
 docs/enable.md's Bridge route taken literally, on the model as Bridge hands it over: a list of
@@ -27,11 +27,11 @@ import torch
 import hf_roundtrip as example
 from doc_snippets import run_snippet
 from mcore_torch_experts.specs import torch_experts_gpt_spec
-from mcore_torch_experts.testing.bridge_imports import (
+from support.bridge_imports import (
     import_megatron_bridge,
     import_megatron_bridge_checkpointing,
 )
-from mcore_torch_experts.testing.cpu_support import (
+from support.cpu_support import (
     CudaTensorsOnTheCpu,
     init_single_process_megatron,
 )

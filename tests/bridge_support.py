@@ -1,7 +1,7 @@
 """Importing Megatron-Bridge's PEFT in tests, with or without Transformer Engine.
 
 Bridge imports `transformer_engine.pytorch` unconditionally, and TE cannot be built on CPU-only
-machines; `mcore_torch_experts.testing.bridge_imports.import_megatron_bridge` makes a stand-in visible during Bridge's
+machines; `support.bridge_imports.import_megatron_bridge` makes a stand-in visible during Bridge's
 import only (see its docstring). Here tests skip, with the reason, where Bridge cannot be had.
 """
 
@@ -23,7 +23,7 @@ def import_bridge_peft() -> None:
         pytest.skip("Megatron-Bridge 0.6 needs Python 3.12")
     if importlib.util.find_spec("megatron.bridge") is None:
         pytest.skip("megatron-bridge is not installed")
-    from mcore_torch_experts.testing.bridge_imports import import_megatron_bridge
+    from support.bridge_imports import import_megatron_bridge
 
     import_megatron_bridge()
 

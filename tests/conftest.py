@@ -1,5 +1,5 @@
 """Every fixture of the tests: a one-process gloo world with Megatron's parallel state, with the
-patches of mcore_torch_experts.testing.cpu_support.megatron_patches (the one table, each patch with its reason)
+patches of support.cpu_support.megatron_patches (the one table, each patch with its reason)
 applied and undone after each test. The code under test is not patched."""
 
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcore_torch_experts.testing.cpu_support import megatron_patches
+from support.cpu_support import megatron_patches
 from triton_interpreter import interpreter_is_on, run_interpreted
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ linear_proj, linear_fc1 and linear_fc2 starts from it with `provider.transformer
 torch_experts_gpt_spec` and `provider.moe_grouped_gemm = True`, uninterrupted, and stopped
 half-way (Bridge's adapter-only checkpoint) then resumed from its save; the control finetunes
 the same checkpoint with the stock spec. Bridge's config, data, optimizer, scheduler, PEFT hook
-and checkpointing run unchanged; the CPU patch table (mcore_torch_experts.testing.cpu_support) answers their
+and checkpointing run unchanged; the CPU patch table (support.cpu_support) answers their
 CUDA-only calls.
 """
 

@@ -81,10 +81,12 @@ def package_modules() -> set:
 def environment() -> dict:
     """This process's environment without a way to the source tree: PYTHONPATH (which
     tests/conftest.py points at the repository for the suite's own workers) keeps only the
-    entries that hold no `mcore_torch_experts` package (this leg's megatron-core folder)."""
+    entries that hold no `mcore_torch_experts` package (this leg's megatron-core folder), after
+    tests/ (the test side's CPU patches, `support.cpu_support`, which the wheel does not ship)."""
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                                        if p and not holds_the_package(p))
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS)] + [
+        p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+        if p and not holds_the_package(p)])
     env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU model on any host
     return env
 

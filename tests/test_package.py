@@ -2,13 +2,17 @@
 the experts module imports no optional integration, directly or through other modules, the
 kernels wing imports nothing of the package outside it but the package's error type, only the
 package's __init__ imports the integrations wing (and nothing imports its NeMo-RL module), only
-that module imports NeMo-RL and Ray (and the testing wing, which patches them), and nothing
-imports the testing wing."""
+that module imports NeMo-RL and Ray; the package holds no test scaffolding (no stand-in module, no
+patch of torch: those live on the test side, tests/support), and the examples import only the
+package, torch, Megatron and the libraries they demonstrate."""
 
 import ast
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / "mcore_torch_experts"
+SUPPORT = Path(__file__).parent / "support"
+EXAMPLES = Path(__file__).parents[1] / "examples"
 
 
 def module_name(path: Path) -> str:
@@ -96,11 +100,51 @@ def test_experts_module_imports_no_integration():
     assert not reached & integrations, sorted(reached)
 
 
-def test_no_package_module_imports_the_testing_wing():
-    graph = package_imports()
-    wing = {m for m in MODULES if m == "testing" or m.startswith("testing.")}
-    assert "testing.cpu_support" in wing
-    assert {m for m, imported in graph.items() if imported & wing and m not in wing} == set()
+def scaffolding(path: Path) -> list:
+    """What in a source file is test scaffolding, one line each: a stand-in module
+    (`types.ModuleType(...)`, a write to `sys.modules`), a `TorchFunctionMode` subclass, an
+    assignment to an attribute of `torch` (`torch.cuda.x = ...`, `setattr(torch..., ...)`)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            if name.split(".")[-1] == "ModuleType":
+                found.append(f"{path.name}:{node.lineno}: {name}(...)")
+            elif name == "setattr" and node.args and ast.unparse(node.args[0]).startswith("torch"):
+                found.append(f"{path.name}:{node.lineno}: setattr({ast.unparse(node.args[0])}, ...)")
+        elif isinstance(node, ast.ClassDef):
+            if any(ast.unparse(base).endswith("TorchFunctionMode") for base in node.bases):
+                found.append(f"{path.name}:{node.lineno}: class {node.name}(TorchFunctionMode)")
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                text = ast.unparse(target)
+                if text.startswith("sys.modules[") or (isinstance(target, ast.Attribute)
+                                                       and text.startswith("torch.")):
+                    found.append(f"{path.name}:{node.lineno}: {text} = ...")
+    return found
+
+
+def test_the_package_holds_no_test_scaffolding():
+    """The wheel ships what users import: the CPU patch table and Bridge's import without
+    Transformer Engine are the test side's (tests/support). The check finds them there."""
+    assert not (PACKAGE / "testing").exists()
+    assert [line for path in sorted(PACKAGE.rglob("*.py")) for line in scaffolding(path)] == []
+    found = "\n".join(line for path in sorted(SUPPORT.rglob("*.py")) for line in scaffolding(path))
+    assert "class CudaTensorsOnTheCpu(TorchFunctionMode)" in found and "ModuleType(...)" in found
+
+
+def test_the_examples_import_only_the_package_torch_and_megatron():
+    """What an example imports at module level or in a function: the package, torch, Megatron,
+    what an example demonstrates (transformers, safetensors, peft, matplotlib for the curve), the
+    standard library and the examples' own modules; never the test side."""
+    own = {path.stem for path in EXAMPLES.glob("*.py")}
+    allowed = {"mcore_torch_experts", "torch", "megatron", "transformers", "safetensors", "peft",
+               "matplotlib", "yaml", *sys.stdlib_module_names, *own}
+    outside = {path.name: sorted(outside_imports(path) - allowed)
+               for path in sorted(EXAMPLES.glob("*.py"))}
+    assert {name: found for name, found in outside.items() if found} == {}
+    assert "single_process" in own and len(outside) >= 6
 
 
 def test_only_the_package_init_imports_the_integrations():
@@ -127,11 +171,10 @@ def outside_imports(path: Path) -> set:
 
 
 def test_only_the_nemo_rl_integration_imports_nemo_rl():
-    """NeMo-RL (and the Ray it runs its workers in) is optional: one module imports it, besides
-    the testing wing's CPU patch table (`nemo_rl_patches` patches NeMo-RL's own functions)."""
+    """NeMo-RL (and the Ray it runs its workers in) is optional: one module imports it."""
     importers = {module_name(path) for path in PACKAGE.rglob("*.py")
                  if outside_imports(path) & {"nemo_rl", "ray"}}
-    assert importers - {"testing.cpu_support"} == {"integrations.nemo_rl"}, importers
+    assert importers == {"integrations.nemo_rl"}, importers
 
 
 def test_the_kernels_wing_imports_only_itself_and_the_error_type():

@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.nn.functional as F
 
-from mcore_torch_experts.testing.cpu_support import apply, megatron_patches
+from support.cpu_support import apply, megatron_patches
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=150)  # a stuck collective raises before the launcher's kill
 
@@ -35,7 +35,7 @@ def base_parser(description: str) -> argparse.ArgumentParser:
 
 def init_processes(device: str) -> torch.device:
     """Join the torchrun world: gloo on the CPU, NCCL with one GPU per local rank on CUDA; the
-    patches of mcore_torch_experts.testing.cpu_support.megatron_patches for this device applied."""
+    patches of support.cpu_support.megatron_patches for this device applied."""
     apply(megatron_patches(on_cpu=device == "cpu"))
     if device == "cuda":
         local_rank = int(os.environ["LOCAL_RANK"])

@@ -17,8 +17,8 @@ import json
 import torch
 import torch.distributed as dist
 
-from mcore_torch_experts.testing.bridge_imports import import_megatron_bridge
-from mcore_torch_experts.testing.cpu_support import apply, megatron_patches
+from support.bridge_imports import import_megatron_bridge
+from support.cpu_support import apply, megatron_patches
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # a hang fails
 import_megatron_bridge()

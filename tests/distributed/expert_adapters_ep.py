@@ -112,7 +112,7 @@ def main():
     args = parser.parse_args()
     init_processes("cpu")
     if not torch.cuda.is_available():
-        from mcore_torch_experts.testing.cpu_support import HostStream, Patch, apply
+        from support.cpu_support import HostStream, Patch, apply
 
         apply([Patch(torch.cuda, "current_stream", lambda *a, **k: HostStream(),
                      "Megatron's DDP (0.19) waits on the current CUDA stream's events before it "

@@ -11,7 +11,7 @@ linear_fc1 and linear_fc2, in the order of Bridge's own LoRA functional tests:
 - "ours-resumed": the same again, resumed from that save.
 
 The process group is made here first (gloo), as Bridge's functional tests make theirs; the CPU
-patch table (mcore_torch_experts.testing.cpu_support: `megatron_patches`, `megatron_lm_patches`,
+patch table (support.cpu_support: `megatron_patches`, `megatron_lm_patches`,
 `megatron_bridge_patches`) is applied and tensors asked for on CUDA are made on the CPU. Writes
 each phase's losses, learning rates and what the model trains as JSON to argv[2].
 
@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from mcore_torch_experts.testing.bridge_finetune import Phase, Schedule, finetune_config
-from mcore_torch_experts.testing.bridge_imports import (
+from support.bridge_finetune import Phase, Schedule, finetune_config
+from support.bridge_imports import (
     import_megatron_bridge,
     import_megatron_bridge_training,
 )
-from mcore_torch_experts.testing.cpu_support import (
+from support.cpu_support import (
     CudaTensorsOnTheCpu,
     apply,
     megatron_bridge_patches,

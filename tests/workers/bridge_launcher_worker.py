@@ -1,5 +1,5 @@
 """Run by test_launchers.py in its own process (Bridge's import needs a Transformer Engine stand-in,
-see mcore_torch_experts.testing.bridge_imports.import_megatron_bridge, that must not reach other tests): Megatron-Bridge
+see support.bridge_imports.import_megatron_bridge, that must not reach other tests): Megatron-Bridge
 0.6 end to end with the launcher spec named on the provider. A tiny local HF Qwen3-MoE checkpoint
 through `AutoBridge` into a provider whose `transformer_layer_spec` is
 `mcore_torch_experts.specs.torch_experts_gpt_spec`, Bridge's LoRA on the experts, a few training
@@ -18,8 +18,8 @@ import torch
 
 import hf_roundtrip as example
 from doc_snippets import run_snippet, snippet
-from mcore_torch_experts.testing.bridge_imports import import_megatron_bridge
-from mcore_torch_experts.testing.cpu_support import init_single_process_megatron
+from support.bridge_imports import import_megatron_bridge
+from support.cpu_support import init_single_process_megatron
 
 
 def experts_classes(model) -> list:

@@ -1,5 +1,5 @@
 """Run by test_hf_bridge_lora.py in its own process (Bridge's import needs a Transformer Engine
-stand-in, see mcore_torch_experts.testing.bridge_imports.import_megatron_bridge, that must not reach other tests).
+stand-in, see support.bridge_imports.import_megatron_bridge, that must not reach other tests).
 
 For each expert-adapter layout of Megatron-Bridge's LoRA: imports a tiny HF Qwen3-MoE checkpoint
 with Megatron-Bridge into TorchGroupedMLP experts (saved with save_megatron_model as the
@@ -31,11 +31,11 @@ import torch
 
 import hf_roundtrip as example
 from doc_snippets import run_snippet
-from mcore_torch_experts.testing.bridge_imports import (
+from support.bridge_imports import (
     import_megatron_bridge,
     import_megatron_bridge_checkpointing,
 )
-from mcore_torch_experts.testing.cpu_support import init_single_process_megatron
+from support.cpu_support import init_single_process_megatron
 
 LAYOUTS = {  # Bridge LoRA arguments of each expert-adapter layout
     "shared": {},

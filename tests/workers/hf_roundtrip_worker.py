@@ -1,5 +1,5 @@
 """Run by test_hf_roundtrip.py in its own process (Bridge's import needs a Transformer Engine
-stand-in, see mcore_torch_experts.testing.bridge_imports.import_megatron_bridge, that must not reach other tests):
+stand-in, see support.bridge_imports.import_megatron_bridge, that must not reach other tests):
 imports a tiny HF Qwen3-MoE checkpoint with Megatron-Bridge into TorchGroupedMLP experts, exports
 it, trains and merges adapters, and writes what it measured as JSON to argv[2].
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 import hf_roundtrip as example
-from mcore_torch_experts.testing.bridge_imports import import_megatron_bridge
-from mcore_torch_experts.testing.cpu_support import init_single_process_megatron
+from support.bridge_imports import import_megatron_bridge
+from support.cpu_support import init_single_process_megatron
 
 
 def expert_weights_match(model, original, config) -> bool:

@@ -6,8 +6,9 @@ Megatron-LM's own helper and build the model from it the way Megatron-LM does, r
 `_target_` strings Bridge's run_config.yaml records, and every import path the docs name. Writes
 what it found as JSON to the path in argv[1]; argv[2] is a JSON object of inputs.
 
-Nothing here imports from the repository: the CPU patch table comes from the installed wheel
-too (mcore_torch_experts.testing.cpu_support).
+Nothing here imports the package from the repository: the package comes from the installed
+wheel, and only the CPU patch table from the test side (`support.cpu_support`, tests/ on
+PYTHONPATH), as a user's CPU host would get it.
 """
 
 import importlib
@@ -73,7 +74,7 @@ def main(out_path, inputs):
             defined_outside[key] = source
     result["unresolved_import_paths"], result["defined_outside_venv"] = unresolved, defined_outside
 
-    from mcore_torch_experts.testing.cpu_support import init_single_process_megatron
+    from support.cpu_support import init_single_process_megatron
 
     init_single_process_megatron(on_cpu=True)
     result["megatron_lm_spec"] = megatron_lm_spec_route(inputs)

@@ -1,5 +1,5 @@
 """Run one of Megatron-LM's own launcher scripts, unchanged, on a CPU-only host: the CPU patch
-table (mcore_torch_experts.testing.cpu_support: `megatron_patches`, `megatron_lm_patches`) is
+table (support.cpu_support: `megatron_patches`, `megatron_lm_patches`) is
 applied, then the script runs as `__main__` with the arguments given, CUDA tensors made on the
 CPU. Started by torchrun from tests/test_megatron_lm.py, with the script's folder on PYTHONPATH
 (where `python pretrain_gpt.py` would find its sibling modules):
@@ -11,7 +11,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from mcore_torch_experts.testing.cpu_support import (
+from support.cpu_support import (
     CudaTensorsOnTheCpu,
     apply,
     megatron_lm_patches,

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from doc_snippets import run_snippet, snippet
-from mcore_torch_experts.testing.cpu_support import init_single_process_megatron
 from reference import rel_err
+from support.cpu_support import init_single_process_megatron
 from tiny_gpt import freeze_experts, sequential_to_grouped
 
 # A tiny model, plus what a CPU host needs (local modules, CPU initialisation, no fused kernels,

@@ -6,7 +6,7 @@ setup_distributed, validate_model_paths, handle_model_import -> import_model_fro
 validate_and_set_config, setup_model_and_optimizer, setup_reference_model_state,
 finalize_megatron_setup), then the worker's `get_logprobs` and one `train` step (NeMo-RL's
 NLLLossFn), on a tiny local Qwen3-MoE HF checkpoint, with NeMo-RL's Megatron GRPO recipe and the
-docs' YAML block, on the CPU (the patches of mcore_torch_experts.testing.cpu_support:
+docs' YAML block, on the CPU (the patches of support.cpu_support:
 `megatron_patches`, `megatron_lm_patches`, `nemo_rl_patches`, inside `CudaTensorsOnTheCpu`),
 then the worker's `save_checkpoint` as NeMo-RL's GRPO loop calls it. The phase `reload`, a later
 process on the same OUT_DIR, builds a fresh worker from that checkpoint as a resumed NeMo-RL run
@@ -31,7 +31,7 @@ import torch
 
 import hf_roundtrip as example
 from doc_snippets import snippet
-from mcore_torch_experts.testing import bridge_imports, cpu_support
+from support import bridge_imports, cpu_support
 
 NEMO_RL_CONFIG = "grpo_math_1B_megatron.yaml"  # NeMo-RL's Megatron GRPO recipe
 SEQ = 16

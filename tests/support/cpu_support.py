@@ -1,6 +1,6 @@
-"""Run Megatron-Core on one process, on a CPU-only host too: the one table of patches the
-examples, the test fixtures (tests/conftest.py) and the torchrun workers (tests/distributed/)
-apply, each with the reason it exists.
+"""Run Megatron-Core on one process, on a CPU-only host too: the one table of patches the CPU
+launcher of the examples (run_on_cpu.py), the test fixtures (tests/conftest.py), the test workers
+and the torchrun workers (tests/distributed/) apply, each with the reason it exists.
 
 On the CPU (a machine without CUDA, or `init_single_process_megatron(on_cpu=True)`), the router's
 `torch.cuda.current_device()` answers "cpu", its gating GEMM is torch's (TE's takes CUDA tensors
@@ -167,28 +167,6 @@ def shutdown_megatron() -> None:
         torch.distributed.destroy_process_group()
 
 
-def training_step_loss(model, vocab_size: int, seq_length: int, batch: int = 2) -> float:
-    """One forward/backward of random tokens through a GPTModel with an explicit causal mask,
-    every parameter as built (TorchGroupedMLP's expert weights frozen); returns the loss."""
-    device = next(model.parameters()).device
-    tokens = torch.randint(0, vocab_size, (batch, seq_length + 1), device=device)
-    positions = torch.arange(seq_length, device=device).expand(batch, -1)
-    causal_mask = torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool,
-                             device=device).triu(1)
-    loss = model(tokens[:, :-1], positions, causal_mask, labels=tokens[:, 1:]).float().mean()
-    loss.backward()
-    return loss.item()
-
-
-def describe_layers(model) -> str:
-    """'0: dense MLP, 1: TorchGroupedMLP, ...' for a GPTModel's decoder layers."""
-    return ", ".join(f"{i}: {type(layer.mlp.experts).__name__}" if hasattr(layer.mlp, "experts")
-                     else f"{i}: dense {type(layer.mlp).__name__}"
-                     for i, layer in enumerate(model.decoder.layers))
-
-
-# Megatron modules that `import megatron.bridge` (0.6.2) imports: imported before the stand-in
-# below is visible, so that each decides whether Transformer Engine is present without it.
 class CudaTensorsOnTheCpu(torch.overrides.TorchFunctionMode):
     """Inside this mode, tensors asked for on CUDA (`device="cuda"`, `.cuda()`, `.to("cuda")`)
     are made on the CPU: Megatron-LM's training loop (`megatron.training`) puts its counters,
