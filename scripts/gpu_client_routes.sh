@@ -78,7 +78,7 @@ install_stack() {  # stack -> /tmp/stack-<stack>, /tmp/stack-<stack>-extra (and 
 
 stack_path() {  # stack -> its PYTHONPATH
   local site=/tmp/stack-$1
-  echo "${base_path:+$base_path:}$site:$site-extra${2:+:$site-nrl}:$PWD"
+  echo "${base_path:+$base_path:}$site:$site-extra${2:+:$site-nrl}:$PWD:$PWD/tests"
 }
 
 for route_stack in "$@"; do
