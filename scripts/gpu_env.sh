@@ -1,8 +1,9 @@
 # Sourced by the scripts/gpu_*.sh: `gpu_env [WHEEL_DIR]` makes what a GPU run imports reachable.
 # Where Transformer Engine, megatron-core and megatron-bridge are installed (pip, or NVIDIA's
 # PyTorch container), it only puts the repository and tests/ (the test side's `support`) on
-# PYTHONPATH. A machine without network brings wheels instead: those in WHEEL_DIR (default .whl) are installed into /tmp/site, and /tmp/te/site
-# (TE installed there) and /tmp/site go in front on PYTHONPATH, each only where it exists.
+# PYTHONPATH. A machine without network brings wheels instead: those in WHEEL_DIR (default .whl)
+# are installed into /tmp/site, and /tmp/te/site (TE installed there) and /tmp/site go in front
+# on PYTHONPATH, each only where it exists.
 gpu_env() {
   local wheels=${1:-.whl} path="" dir
   if compgen -G "$wheels/*.whl" >/dev/null; then
