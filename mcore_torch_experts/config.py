@@ -309,6 +309,46 @@ def validate_fp32_combine_config(config: TransformerConfig,
         refuse(f"moe_combine_{option}", value, f"it must be {requirement}.")
 
 
+
+@dataclass(frozen=True)
+class SpecChoice:
+    """What a spec builder does for one config, decided once (`spec_choice`) with every refusal
+    before any spec is built: TorchGroupedMLP experts or Megatron's, and the FP32 combine
+    (`fp32_combine`: the setting that asked for it, None for Megatron's combine)."""
+
+    torch_experts: bool
+    fp32_combine: Optional[str]
+
+
+def spec_choice(config: TransformerConfig, spec_kwargs: Optional[Mapping[str, object]] = None, *,
+                experts_absent: str = "transformer_engine", entry_point: Optional[str] = None,
+                entry_point_combines: bool = False) -> SpecChoice:
+    """The one check of a spec route. `config.moe_expert_gemm_backend` (`experts_absent` where the
+    config has no such field or attribute) picks the experts; with "torch" the config and the
+    spec builder's arguments `spec_kwargs` are validated (e.g. use_te_op_fuser=True is refused).
+    A launcher `entry_point` (named by import path) first refuses this package's settings held
+    as plain attributes and transformer_impl="inference_optimized"; `entry_point_combines`: it
+    asks for the FP32 combine itself. Otherwise `moe_combine_in_fp32` asks for it."""
+    if entry_point is not None:
+        refuse_unrecorded_settings(config, entry_point)
+        refuse_transformer_impl(config, entry_point)
+    backend = getattr(config, "moe_expert_gemm_backend", experts_absent)
+    check_backend(backend)
+    torch_experts = backend == ExpertGemmBackend.TORCH
+    if torch_experts:
+        validate_torch_experts_config(config)
+        refuse_unsupported_flags(spec_kwargs or {})
+        refuse_spec_arguments(spec_kwargs or {})
+    if entry_point_combines:
+        combine = entry_point
+    else:
+        combine = "moe_combine_in_fp32=True" if getattr(config, "moe_combine_in_fp32", False) \
+            else None
+    if combine is not None:
+        validate_fp32_combine_config(config, combine)
+    return SpecChoice(torch_experts, combine)
+
+
 @dataclass
 class TorchExpertsTransformerConfig(TransformerConfig):
     """TransformerConfig with the expert GEMM backend switch and the FP32 combine settings."""

@@ -18,22 +18,14 @@ place: Megatron shares one MoE layer spec between all MoE layers of a block.
 
 import dataclasses
 import importlib.util
-from typing import Mapping, Optional
+from typing import Optional
 
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from . import _compat
-from .config import (
-    check_backend,
-    refuse_spec_arguments,
-    refuse_transformer_impl,
-    refuse_unrecorded_settings,
-    refuse_unsupported_flags,
-    validate_fp32_combine_config,
-    validate_torch_experts_config,
-)
+from .config import SpecChoice, spec_choice
 from .experts import TorchGroupedMLP
 from .moe_layer import FP32CombineMoELayer
 
@@ -60,14 +52,6 @@ def torch_experts_spec() -> ModuleSpec:
     return ModuleSpec(module=TorchGroupedMLP)
 
 
-def wants_torch_experts(config: TransformerConfig, absent: str = "transformer_engine") -> bool:
-    """Whether `config.moe_expert_gemm_backend` (a field or a plain attribute; `absent` when the
-    config has neither) says "torch"; any value other than an ExpertGemmBackend is a TorchExpertsConfigError."""
-    backend = getattr(config, "moe_expert_gemm_backend", absent)
-    check_backend(backend)
-    return backend == "torch"
-
-
 def with_torch_experts(layer_spec: ModuleSpec) -> ModuleSpec:
     """A copy of a TransformerLayer spec whose MoE experts are TorchGroupedMLP (dense: unchanged)."""
     mlp = layer_spec.submodules.mlp
@@ -89,54 +73,37 @@ def with_fp32_combine(layer_spec: ModuleSpec) -> ModuleSpec:
     return dataclasses.replace(layer_spec, submodules=submodules)
 
 
-def _follow_config(config: TransformerConfig, layer_spec: ModuleSpec, torch_experts: bool,
-                   fp32_combine: Optional[str] = None) -> ModuleSpec:
-    """`fp32_combine`: the entry point that asks for the combine (None: moe_combine_in_fp32)."""
-    if torch_experts:
+def _follow_choice(layer_spec: ModuleSpec, choice: SpecChoice) -> ModuleSpec:
+    """A layer spec with the experts and the combine `choice` says (decided and checked once)."""
+    if choice.torch_experts:
         layer_spec = with_torch_experts(layer_spec)
-    if fp32_combine is not None:
-        validate_fp32_combine_config(config, fp32_combine)
-        layer_spec = with_fp32_combine(layer_spec)
-    elif getattr(config, "moe_combine_in_fp32", False):
-        validate_fp32_combine_config(config)
+    if choice.fp32_combine is not None:
         layer_spec = with_fp32_combine(layer_spec)
     return layer_spec
-
-
-def _check_torch_experts(config: TransformerConfig, spec_kwargs: Mapping[str, object],
-                         absent: str = "transformer_engine") -> bool:
-    """Whether `config` asks for TorchGroupedMLP, after refusing what it cannot honour (in the
-    config or in the spec builder's arguments, e.g. use_te_op_fuser=True)."""
-    if not wants_torch_experts(config, absent):
-        return False
-    validate_torch_experts_config(config)
-    refuse_unsupported_flags(spec_kwargs)
-    refuse_spec_arguments(spec_kwargs)
-    return True
 
 
 def get_gpt_layer_with_transformer_engine_spec(config: TransformerConfig, **kwargs) -> ModuleSpec:
     """Megatron's TE GPT layer spec for `config`, `kwargs` going to its builder (over the config's
     settings); MoE experts follow moe_expert_gemm_backend."""
-    torch_experts = _check_torch_experts(config, kwargs)
+    choice = spec_choice(config, kwargs)
     builder = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec
     spec = builder(**_compat.gpt_layer_spec_kwargs(builder, config, **kwargs))
-    return _follow_config(config, spec, torch_experts)
+    return _follow_choice(spec, choice)
 
 
 def get_gpt_layer_local_spec(config: TransformerConfig, **kwargs) -> ModuleSpec:
     """Megatron's local (no TE) GPT layer spec for `config`, `kwargs` going to its builder (over the
     config's settings); MoE experts follow the backend flag."""
-    torch_experts = _check_torch_experts(config, kwargs)
+    choice = spec_choice(config, kwargs)
     builder = gpt_layer_specs.get_gpt_layer_local_spec
     spec = builder(**_compat.gpt_layer_spec_kwargs(builder, config, **kwargs))
-    return _follow_config(config, spec, torch_experts)
+    return _follow_choice(spec, choice)
 
 
 def _decoder_block_spec(config: TransformerConfig, use_transformer_engine: bool,
-                        torch_experts: bool, fp32_combine: Optional[str] = None, **kwargs):
+                        choice: SpecChoice, **kwargs):
     block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine, **kwargs)
-    layers = [_follow_config(config, s, torch_experts, fp32_combine) for s in block.layer_specs]
+    layers = [_follow_choice(s, choice) for s in block.layer_specs]
     return dataclasses.replace(block, layer_specs=layers)
 
 
@@ -146,8 +113,8 @@ def get_gpt_decoder_block_spec(config: TransformerConfig, use_transformer_engine
 
     `kwargs` go to Megatron's builder: normalization, qk_l2_norm, vp_stage, pp_rank.
     """
-    torch_experts = _check_torch_experts(config, kwargs)
-    return _decoder_block_spec(config, use_transformer_engine, torch_experts, **kwargs)
+    return _decoder_block_spec(config, use_transformer_engine, spec_choice(config, kwargs),
+                               **kwargs)
 
 
 def gpt_transformer_layer_spec(config: TransformerConfig, vp_stage: Optional[int] = None,
@@ -186,25 +153,16 @@ def launcher_transformer_config(config):
         f"as `transformer`), got {type(config).__name__}; pass the model's TransformerConfig.")
 
 
-def _launcher_config(config, entry_point: str) -> TransformerConfig:
-    """The TransformerConfig a launcher entry point builds from, its plain-attribute settings
-    refused."""
-    config = launcher_transformer_config(config)
-    refuse_unrecorded_settings(config, entry_point)
-    return config
-
-
 def _launcher_gpt_spec(config, vp_stage: Optional[int], entry_point: str, experts_absent: str,
                        fp32_combine: bool):
     """A launcher's GPT decoder block spec: TorchGroupedMLP experts unless a
     `moe_expert_gemm_backend` field says otherwise (absent: `experts_absent`), the FP32 combine
     when `fp32_combine` or a `moe_combine_in_fp32` field says so. Transformer Engine or local
     modules as `transformer_impl` says; "inference_optimized" is refused."""
-    config = _launcher_config(config, entry_point)
-    refuse_transformer_impl(config, entry_point)
-    torch_experts = _check_torch_experts(config, {}, absent=experts_absent)
-    return _decoder_block_spec(config, config.transformer_impl == "transformer_engine",
-                               torch_experts, entry_point if fp32_combine else None,
+    config = launcher_transformer_config(config)
+    choice = spec_choice(config, experts_absent=experts_absent, entry_point=entry_point,
+                         entry_point_combines=fp32_combine)
+    return _decoder_block_spec(config, config.transformer_impl == "transformer_engine", choice,
                                normalization=config.normalization, qk_l2_norm=config.qk_l2_norm,
                                vp_stage=vp_stage)
 
@@ -238,10 +196,10 @@ def fp32_combine_gpt_spec(config, vp_stage: Optional[int] = None):
 
 def _launcher_hybrid_stack_spec(config, entry_point: str, experts_absent: str,
                                 fp32_combine: bool):
-    config = _launcher_config(config, entry_point)
-    torch_experts = _check_torch_experts(config, {}, absent=experts_absent)
-    return _hybrid_stack_spec(config, _compat.megatron_hybrid_stack_spec(), torch_experts,
-                              entry_point if fp32_combine else None)
+    config = launcher_transformer_config(config)
+    choice = spec_choice(config, experts_absent=experts_absent, entry_point=entry_point,
+                         entry_point_combines=fp32_combine)
+    return _hybrid_stack_spec(_compat.megatron_hybrid_stack_spec(), choice)
 
 
 def torch_experts_hybrid_stack_spec(config):
@@ -265,10 +223,8 @@ def fp32_combine_hybrid_stack_spec(config):
                                        "transformer_engine", True)
 
 
-def _hybrid_stack_spec(config: TransformerConfig, stack_spec, torch_experts: bool,
-                       fp32_combine: Optional[str] = None):
-    moe_layer = _follow_config(config, stack_spec.submodules.moe_layer, torch_experts,
-                               fp32_combine)
+def _hybrid_stack_spec(stack_spec, choice: SpecChoice):
+    moe_layer = _follow_choice(stack_spec.submodules.moe_layer, choice)
     return dataclasses.replace(stack_spec,
                                submodules=dataclasses.replace(stack_spec.submodules,
                                                               moe_layer=moe_layer))
@@ -280,7 +236,7 @@ def get_hybrid_stack_spec(config: TransformerConfig, stack_spec=None):
     `submodules.moe_layer` field) whose MoE layer follows moe_expert_gemm_backend and
     moe_combine_in_fp32. Mamba, attention and MLP layers are unchanged.
     """
-    torch_experts = _check_torch_experts(config, {})
+    choice = spec_choice(config)
     if stack_spec is None:
         stack_spec = _compat.megatron_hybrid_stack_spec()
-    return _hybrid_stack_spec(config, stack_spec, torch_experts)
+    return _hybrid_stack_spec(stack_spec, choice)
