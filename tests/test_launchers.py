@@ -193,12 +193,17 @@ def test_a_package_setting_held_as_a_plain_attribute_is_refused(megatron_cpu, en
     assert fix in message
 
 
-def test_gpt_entry_point_refuses_the_inference_transformer_impl(megatron_cpu):
+@pytest.mark.parametrize("entry_point", ["torch_experts_gpt_spec", "fp32_combine_gpt_spec",
+                                         "torch_experts_hybrid_stack_spec",
+                                         "fp32_combine_hybrid_stack_spec"])
+def test_entry_points_refuse_the_inference_transformer_impl(megatron_cpu, entry_point):
+    """Every launcher entry point, whatever experts it keeps, names itself (the GPT ones pick TE
+    or local modules by transformer_impl; the hybrid ones build Transformer Engine layers)."""
     with pytest.raises(TorchExpertsConfigError,
-                       match="^torch_experts_gpt_spec does not support "
+                       match=f"^{entry_point} does not support "
                              "transformer_impl='inference_optimized': .* set "
                              "transformer_impl='transformer_engine' or 'local'.$"):
-        specs.torch_experts_gpt_spec(plain_config(transformer_impl="inference_optimized"))
+        getattr(specs, entry_point)(plain_config(transformer_impl="inference_optimized"))
 
 
 def test_hybrid_stack_spec_without_the_backend_field_swaps_only_the_moe_experts(megatron_cpu):
