@@ -238,7 +238,7 @@ def state_sources(resumed: dict, trained: dict, initial: dict, weights: Path) ->
         keys = {key, key.replace(".mlp.experts.", ".mlp.experts.experts.")}
         # The model's own key, and the optimizer's FP32 copy of the parameter where it has one.
         for saved_key in [k for k in saved if k in keys or (
-                "fp32_param" in k and any(k.endswith(f".{key}") for key in keys))]:
+                "fp32_param" in k and any(k.endswith(f".{candidate}") for candidate in keys))]:
             row[saved_key] = {"shape": list(saved[saved_key].shape)}
             try:
                 value = saved[saved_key][int(layer[2])] if layer else saved[saved_key]
