@@ -28,6 +28,20 @@ def import_bridge_peft() -> None:
     import_megatron_bridge()
 
 
+def import_bridge_multi_lora():
+    """Bridge's multi-LoRA modules (`multi_lora`, `multi_lora_layers`), or a skip naming why they
+    are absent (no Bridge, or Bridge < 0.7.0)."""
+    import_bridge_peft()
+    if importlib.util.find_spec("megatron.bridge.peft.multi_lora") is None:
+        from importlib.metadata import version
+
+        pytest.skip(f"megatron-bridge {version('megatron-bridge')} has no multi-LoRA "
+                    "(megatron.bridge.peft.multi_lora arrived in 0.7.0)")
+    from megatron.bridge.peft import multi_lora, multi_lora_layers
+
+    return multi_lora, multi_lora_layers
+
+
 def run_worker(worker: Path, out: Path, hide_gpus: bool = False, args=(),
                pythonpath=()) -> dict:
     """Run a Bridge test worker in its own process (the stand-in never reaches this one): `worker

@@ -7,14 +7,12 @@ token's slot. Output and every slot's adapter gradients; the docs' snippet train
 the fused GEMM kernels' refusal; Bridge's own refusal of the allgather dispatcher and its skip
 of SequentialMLP experts. Skipped, with the reason, where Bridge has no multi-LoRA (< 0.7.0)."""
 
-import importlib.util
-
 import pytest
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 
-from bridge_support import import_bridge_peft
+from bridge_support import import_bridge_multi_lora
 from doc_snippets import run_snippet
 from mcore_torch_experts import TorchGroupedLinear, register_with_megatron_bridge
 from mcore_torch_experts.specs import get_gpt_decoder_block_spec
@@ -33,16 +31,9 @@ TOL = 1e-5  # relative L2, FP32 against FP64
 @pytest.fixture(scope="module")
 def multi_lora():
     """Bridge's multi-LoRA modules, or a skip naming why they are absent (Bridge < 0.7)."""
-    import_bridge_peft()
-    if importlib.util.find_spec("megatron.bridge.peft.multi_lora") is None:
-        from importlib.metadata import version
-
-        pytest.skip(f"megatron-bridge {version('megatron-bridge')} has no multi-LoRA "
-                    "(megatron.bridge.peft.multi_lora arrived in 0.7.0)")
+    modules = import_bridge_multi_lora()
     assert register_with_megatron_bridge()
-    from megatron.bridge.peft import multi_lora, multi_lora_layers
-
-    return multi_lora, multi_lora_layers
+    return modules
 
 
 def gpt(backend, seed=0, **overrides):
