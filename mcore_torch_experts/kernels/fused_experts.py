@@ -76,6 +76,26 @@ def _factor_grad(left, right, offs, grouped_mm, num_experts: int, per_expert: bo
     return grouped_mm(left.t(), right.contiguous(), offs=offs)
 
 
+class KernelArgs(NamedTuple):
+    """The fused Functions' non-tensor arguments, as one tuple: the grouped GEMM entry point,
+    the activation (kernels.choice.KERNEL_ACTIVATIONS), whether it is gated, the gated linear
+    unit's offset and clamp, fc2's adapter scale (alpha / r; 1.0 without an adapter), and the
+    RoutedTokens whose tokens fc1 reads (None: its input is the rows)."""
+
+    grouped_mm: object
+    act: str
+    glu: bool
+    offset: float
+    clamp: float | None
+    scale: float = 1.0
+    routed: object = None
+
+    @property
+    def activation(self) -> tuple:
+        """(act, glu, offset, clamp): what the kernels take."""
+        return self.act, self.glu, self.offset, self.clamp
+
+
 def lora_down(x, term: LoRATerm, offs, grouped_mm, routed=None):
     """scale * x @ A.T [T, r] (per expert: A[e] for expert e's rows), through autograd (the
     adapter's A and x get their gradients from it). With `routed` (x its tokens): the rows'
@@ -97,27 +117,28 @@ def lora_down(x, term: LoRATerm, offs, grouped_mm, routed=None):
 
 class Fc1Activation(torch.autograd.Function):
     """x [T, H] -> (act(h) [* (up + offset)] * probs [T, F], h [T, F or 2F]) with h = fc1(x)
-    (with `routed`: x the tokens, row i reads x[token_ids[i]], d x summed per token),
+    (with `args.routed`: x the tokens, row i reads x[token_ids[i]], d x summed per token),
     frozen w1 [E, F or 2F, H], plus xa @ lb.T with an adapter (xa = lora_down(x), lb its B).
     The first output carries no gradient back (Fc2AfterActivation hands the gradient of h
     instead); backward is fc1's input gradient, d x = d h @ w1[e], and with an adapter
     d xa = d h @ lb (x and A get the rest through lora_down's autograd) and d lb = d h.T @ xa
     (per expert over its rows). Saves w1, the offsets and, with an adapter, lb (for d xa) and
-    xa [T, r] (for d lb), each only when that gradient is wanted; with `routed`, its token ids
-    (not its tokens)."""
+    xa [T, r] (for d lb), each only when that gradient is wanted; with `args.routed`, its token
+    ids (not its tokens)."""
 
     @staticmethod
-    def forward(ctx, x, probs, w1, offs, grouped_mm, act, glu, offset, clamp, xa, lb, routed):
+    def forward(ctx, x, probs, w1, offs, xa, lb, args: KernelArgs):
         ctx.set_materialize_grads(False)
-        needs = ctx.needs_input_grad
-        ctx.save_for_backward(w1, offs, xa if lb is not None and needs[10] else None,
-                              lb if lb is not None and needs[9] else None,
+        wants_dxa, wants_dlb = ctx.needs_input_grad[4:6]
+        routed = args.routed
+        ctx.save_for_backward(w1, offs, xa if lb is not None and wants_dlb else None,
+                              lb if lb is not None and wants_dxa else None,
                               None if routed is None else routed.token_ids)
         ctx.per_expert = lb is not None and lb.dim() == 3
-        ctx.grouped_mm = grouped_mm
+        ctx.grouped_mm = args.grouped_mm
         ctx.sum_rows = None if routed is None else routed.row_sum()
-        inter, h = fc1_activation(x.contiguous(), w1, offs, probs.contiguous(), act, glu, offset,
-                                  clamp, save_h=True, xa=xa, lb=lb,
+        inter, h = fc1_activation(x.contiguous(), w1, offs, probs.contiguous(), *args.activation,
+                                  save_h=True, xa=xa, lb=lb,
                                   token_ids=None if routed is None else routed.token_ids)
         ctx.mark_non_differentiable(inter)
         return inter, h
@@ -125,9 +146,8 @@ class Fc1Activation(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _grad_inter, grad_h):
         w1, offs, xa, lb, token_ids = ctx.saved_tensors
-        nothing = (None,) * 8
         if grad_h is None:
-            return (None,) * 12
+            return (None,) * 7
         grad_h = grad_h.contiguous()
         dx = None
         if ctx.needs_input_grad[0]:
@@ -142,7 +162,7 @@ class Fc1Activation(torch.autograd.Function):
             dxa = _rows_times(grad_h, lb, offs, ctx.grouped_mm, transpose=False)
         if xa is not None:  # saved only when lb needs its gradient
             dlb = _factor_grad(grad_h, xa, offs, ctx.grouped_mm, w1.shape[0], ctx.per_expert)
-        return (dx, *nothing, dxa, dlb, None)
+        return dx, None, None, None, dxa, dlb, None
 
 
 def fc2_forward(inter, w2, offs, grouped_mm, term=None):
@@ -160,7 +180,7 @@ def fc2_forward(inter, w2, offs, grouped_mm, term=None):
 
 class Fc2AfterActivation(torch.autograd.Function):
     """(inter [T, F], h [T, F or 2F], probs [T]) -> inter @ w2[e].T [T, H], frozen w2 [E, H, F],
-    plus scale * (inter @ la.T) @ lb.T with an adapter (A la, B lb).
+    plus scale * (inter @ la.T) @ lb.T with an adapter (A la, B lb; scale = args.scale).
 
     inter is Fc1Activation's act(h) * probs; backward skips it and returns the gradients of h and
     probs straight from the fused fc2 input-gradient kernel, the adapter's share of fc2's input
@@ -171,37 +191,36 @@ class Fc2AfterActivation(torch.autograd.Function):
     gradient runs."""
 
     @staticmethod
-    def forward(ctx, inter, h, probs, w2, offs, grouped_mm, act, glu, offset, clamp, la, lb,
-                scale):
-        term = None if la is None else LoRATerm(la, lb, scale)
-        out, xr = fc2_forward(inter, w2, offs, grouped_mm, term)
-        needs = ctx.needs_input_grad
+    def forward(ctx, inter, h, probs, w2, offs, la, lb, args: KernelArgs):
+        term = None if la is None else LoRATerm(la, lb, args.scale)
+        out, xr = fc2_forward(inter, w2, offs, args.grouped_mm, term)
+        wants_dla, wants_dlb = ctx.needs_input_grad[5:7]
         ctx.save_for_backward(h, probs, w2, offs, la, lb,
-                              inter if term is not None and needs[10] else None,
-                              xr if term is not None and needs[11] else None)
-        ctx.args = (act, glu, offset, clamp)
-        ctx.grouped_mm, ctx.scale = grouped_mm, scale
+                              inter if term is not None and wants_dla else None,
+                              xr if term is not None and wants_dlb else None)
+        ctx.args = args
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         h, probs, w2, offs, la, lb, inter, xr = ctx.saved_tensors
+        args = ctx.args
         grad_out = grad_out.contiguous()
         gb = None
         if la is not None:
-            gb = _rows_times(grad_out, lb, offs, ctx.grouped_mm, transpose=False) * ctx.scale
+            gb = _rows_times(grad_out, lb, offs, args.grouped_mm, transpose=False) * args.scale
         dh, dprobs = fc2_dgrad_activation(grad_out, w2, offs, probs.contiguous(), h,
-                                          *ctx.args, want_dprobs=ctx.needs_input_grad[2],
+                                          *args.activation, want_dprobs=ctx.needs_input_grad[2],
                                           gb=gb, la=la)
         if dprobs is not None:
             dprobs = dprobs.to(probs.dtype)
         dla = dlb = None
         per_expert = la is not None and la.dim() == 3
         if inter is not None:
-            dla = _factor_grad(gb, inter, offs, ctx.grouped_mm, w2.shape[0], per_expert)
+            dla = _factor_grad(gb, inter, offs, args.grouped_mm, w2.shape[0], per_expert)
         if xr is not None:
-            dlb = _factor_grad(grad_out, xr, offs, ctx.grouped_mm, w2.shape[0], per_expert)
-        return None, dh, dprobs, None, None, None, None, None, None, None, dla, dlb, None
+            dlb = _factor_grad(grad_out, xr, offs, args.grouped_mm, w2.shape[0], per_expert)
+        return None, dh, dprobs, None, None, dla, dlb, None
 
 
 def fused_experts(config, x, probs, w1, w2, offs, grouped_mm, fc1_lora=None, fc2_lora=None,
@@ -211,21 +230,23 @@ def fused_experts(config, x, probs, w1, w2, offs, grouped_mm, fc1_lora=None, fc2
     fc1_lora / fc2_lora: the LoRATerm of an adapter on linear_fc1 / linear_fc2, or None.
     routed: a RoutedTokens whose tokens are x; then probs and the output have its N rows."""
     clamp = config.activation_func_clamp_value if config.gated_linear_unit else None
-    args = (KERNEL_ACTIVATIONS[config.activation_func], bool(config.gated_linear_unit),
-            float(config.glu_linear_offset), None if clamp is None else float(clamp))
+    args = KernelArgs(grouped_mm, KERNEL_ACTIVATIONS[config.activation_func],
+                      bool(config.gated_linear_unit), float(config.glu_linear_offset),
+                      None if clamp is None else float(clamp),
+                      1.0 if fc2_lora is None else fc2_lora.scale, routed)
     adapter_tensors = [t for term in (fc1_lora, fc2_lora) if term is not None
                        for t in (term.a, term.b)]
     trains = any(t.requires_grad for t in (x, probs, *adapter_tensors))
     if not (torch.is_grad_enabled() and trains):
         with torch.no_grad():
             xa = None if fc1_lora is None else lora_down(x, fc1_lora, offs, grouped_mm, routed)
-            inter, _ = fc1_activation(x.contiguous(), w1, offs, probs.contiguous(), *args,
-                                      save_h=False, xa=xa,
+            inter, _ = fc1_activation(x.contiguous(), w1, offs, probs.contiguous(),
+                                      *args.activation, save_h=False, xa=xa,
                                       lb=None if fc1_lora is None else fc1_lora.b,
                                       token_ids=None if routed is None else routed.token_ids)
             return fc2_forward(inter, w2, offs, grouped_mm, fc2_lora)[0]
     xa = None if fc1_lora is None else lora_down(x, fc1_lora, offs, grouped_mm, routed)
-    inter, h = Fc1Activation.apply(x, probs, w1, offs, grouped_mm, *args, xa,
-                                   None if fc1_lora is None else fc1_lora.b, routed)
-    la, lb, scale = (None, None, 1.0) if fc2_lora is None else fc2_lora
-    return Fc2AfterActivation.apply(inter, h, probs, w2, offs, grouped_mm, *args, la, lb, scale)
+    inter, h = Fc1Activation.apply(x, probs, w1, offs, xa,
+                                   None if fc1_lora is None else fc1_lora.b, args)
+    la, lb = (None, None) if fc2_lora is None else fc2_lora[:2]
+    return Fc2AfterActivation.apply(inter, h, probs, w2, offs, la, lb, args)
