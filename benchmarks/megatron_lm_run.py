@@ -5,11 +5,11 @@ after one step. Prints and writes a table: ms per iteration (median and range ov
 iterations), tokens/s, each iteration's loss against the TEGroupedMLP arm's.
 
 Arms: `torch` (`--spec mcore_torch_experts.specs torch_experts_gpt_spec`, the documented
-command), `te` (TEGroupedMLP with its experts frozen at build: tests/frozen_te_experts_spec.py,
+command), `te` (TEGroupedMLP with its experts frozen at build: tests/support/frozen_te_experts_spec.py,
 so both train the same parameters), `te-cutlass` (the same with
 NVTE_USE_CUTLASS_GROUPED_GEMM=1). `--megatron-lm DIR`: a Megatron-LM checkout (pretrain_gpt.py
 beside megatron/) at the release of the installed megatron-core; scripts/gpu_megatron_lm.sh makes
-one from the wheel and tests/third_party/megatron_lm/.
+one from the wheel and tests/integration/megatron_lm/third_party/megatron_lm/.
 
     python3 benchmarks/megatron_lm_run.py --megatron-lm DIR --out-dir OUT [--iters 20]
         [--global-batch 4,8] [--repeats 3] [--from-logs]
@@ -58,9 +58,9 @@ DOCUMENTED = ["--moe-grouped-gemm", "--bf16", "--disable-bias-linear",
 ARMS = {
     "torch": ("TorchGroupedMLP (the documented command)", DOCUMENTED, {}),
     "te": ("TEGroupedMLP, experts frozen", DOCUMENTED[:3] + [
-        "--spec", "frozen_te_experts_spec", "frozen_te_experts_gpt_spec"], {}),
+        "--spec", "support.frozen_te_experts_spec", "frozen_te_experts_gpt_spec"], {}),
     "te-cutlass": ("TEGroupedMLP, experts frozen, CUTLASS grouped GEMM", DOCUMENTED[:3] + [
-        "--spec", "frozen_te_experts_spec", "frozen_te_experts_gpt_spec"],
+        "--spec", "support.frozen_te_experts_spec", "frozen_te_experts_gpt_spec"],
         {"NVTE_USE_CUTLASS_GROUPED_GEMM": "1"}),
 }
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): "

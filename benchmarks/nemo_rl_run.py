@@ -58,9 +58,9 @@ ARMS = {
 }
 SAVING_ARMS = ("torch", "stock")  # the arms a "-resumed" arm resumes from
 REPO = Path(__file__).resolve().parents[1]
-# What the arms import besides the package: the CPU test's worker helpers (tests/workers), the
+# What the arms import besides the package: the CPU test's worker helpers (tests/integration/nemo_rl), the
 # docs' snippets (tests) and the tiny checkpoint's example (examples).
-PATHS = [str(REPO), str(Path(__file__).parent), str(REPO / "tests"), str(REPO / "tests/workers"),
+PATHS = [str(REPO), str(Path(__file__).parent), str(REPO / "tests"), str(REPO / "tests/integration/nemo_rl"),
          str(REPO / "examples")]
 
 

@@ -46,7 +46,7 @@ install_stack() {  # stack -> /tmp/stack-<stack>, /tmp/stack-<stack>-extra (and 
   # The megatron-core wheel ships the dataset helpers built but not their Makefile, and Bridge's
   # and Megatron-LM's training entries run `make` in that folder first (it fails without one):
   # Megatron-LM's Makefile, with nothing left to build.
-  cp tests/third_party/megatron_lm/core_r0.19.0/megatron/core/datasets/Makefile \
+  cp tests/integration/megatron_lm/third_party/megatron_lm/core_r0.19.0/megatron/core/datasets/Makefile \
     "$site/megatron/core/datasets/" && touch "$site"/megatron/core/datasets/helpers_cpp*.so \
     || return 1
   # One wheel per distribution (NeMo-RL's version where both folders have one), and only those

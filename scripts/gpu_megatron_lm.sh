@@ -4,7 +4,7 @@
 #   bash scripts/gpu_megatron_lm.sh OUT_DIR [megatron_lm_run.py options]
 # The Megatron-LM checkout is made from what a user has: the installed megatron-core (or the wheel
 # in .whl/ on a machine without network: scripts/gpu_env.sh) and Megatron-LM's repo-root scripts
-# of that release (tests/third_party/megatron_lm/: core_r0.19.0 for 0.19.x, 0.20.0 for 0.20.x),
+# of that release (tests/integration/megatron_lm/third_party/megatron_lm/: core_r0.19.0 for 0.19.x, 0.20.0 for 0.20.x),
 # with the dataset helpers' Makefile. python3 must import torch (CUDA) and TE.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,10 +20,10 @@ read -r megatron version < <(python3 -c "import megatron.core as m, os; print(os
 case "$version" in
   0.19.*) scripts=core_r0.19.0 ;;
   0.20.*) scripts=0.20.0 ;;
-  *) echo "gpu_megatron_lm: no Megatron-LM scripts for megatron-core $version in tests/third_party/megatron_lm"; exit 1 ;;
+  *) echo "gpu_megatron_lm: no Megatron-LM scripts for megatron-core $version in tests/integration/megatron_lm/third_party/megatron_lm"; exit 1 ;;
 esac
 mkdir -p "$checkout/megatron" && cp -r "$megatron/core" "$megatron/training" "$checkout/megatron/"
-cp -r tests/third_party/megatron_lm/core_r0.19.0/megatron/. "$checkout/megatron/"  # the Makefile
-cp -r "tests/third_party/megatron_lm/$scripts/." "$checkout/"
+cp -r tests/integration/megatron_lm/third_party/megatron_lm/core_r0.19.0/megatron/. "$checkout/megatron/"  # the Makefile
+cp -r "tests/integration/megatron_lm/third_party/megatron_lm/$scripts/." "$checkout/"
 touch "$checkout"/megatron/core/datasets/helpers_cpp*.so  # built by the wheel: make has nothing to do
 python3 benchmarks/megatron_lm_run.py --megatron-lm "$checkout" --out-dir "$out" "$@"

@@ -2,8 +2,9 @@
 # The Transformer Engine leg, on a machine with one CUDA GPU:
 #   bash scripts/gpu_te.sh OUT_DIR [pytest arguments, default: tests]
 # Runs the whole test suite with TE importable (CPU tests keep their models on the CPU, CUDA tests
-# run on the GPU, the TE tests tests/test_te_*.py run instead of skipping), prints the parity
-# figures of tests/test_te_parity.py, then runs the main job with every layer from Megatron's TE
+# run on the GPU, the TE tests tests/unit/test_te_*.py and
+# tests/integration/bridge/test_te_multi_lora.py run instead of skipping), prints the parity
+# figures of tests/unit/test_te_parity.py, then runs the main job with every layer from Megatron's TE
 # spec (examples/finetune_lora.py --transformer-engine). Ends with one summary line; the logs and
 # junit.xml land in OUT_DIR.
 #
@@ -28,7 +29,7 @@ python3 -m pytest -q -p no:cacheprovider -rs -n 8 --dist loadfile --junitxml="$o
   "${@:-tests}" 2>&1 | tee -a "$out/te_leg.log"
 suite=${PIPESTATUS[0]}
 # The parity gate's figures (errors against the FP64 loop, TorchGroupedMLP and TEGroupedMLP).
-python3 -m pytest -q -s -p no:cacheprovider tests/test_te_parity.py -k "test_experts_match or model_shapes" 2>&1 \
+python3 -m pytest -q -s -p no:cacheprovider tests/unit/test_te_parity.py -k "test_experts_match or model_shapes" 2>&1 \
   | grep -E "^\[te parity\]" | tee "$out/te_parity.log"
 (cd examples && python3 -W ignore::UserWarning finetune_lora.py --transformer-engine \
   --out-dir /tmp/finetune_lora_te) 2>&1 | tee "$out/finetune_lora_te.log"

@@ -53,9 +53,9 @@ MCORE_020_ARCHIVE=megatron-core-0.20.0-14346b65.tar.gz
 BRIDGE_070_ARCHIVE=megatron-bridge-0.7.0-8c46dc42.tar.gz
 # Megatron-Bridge is installed without its dependencies (they include CUDA-only packages); these
 # are the light ones its PEFT and conversion modules import, plus peft (and its accelerate) to run
-# Bridge's Hugging Face PEFT adapter exports (tests/test_hf_bridge_lora.py).
+# Bridge's Hugging Face PEFT adapter exports (tests/integration/bridge/test_hf_bridge_lora.py).
 BRIDGE_LIGHT_DEPS="transformers>=5.8,<=5.12.1 omegaconf>=2.3.0 pyyaml tqdm regex six rich peft==0.21.2 accelerate==1.15.0"
-# NeMo-RL main (7ea279ab), from its source archive beside the Megatron ones, for tests/test_nemo_rl.py
+# NeMo-RL main (7ea279ab), from its source archive beside the Megatron ones, for tests/integration/nemo_rl/test_nemo_rl.py
 # (its own Megatron policy worker on the CPU), in a folder of its own inside the leg's
 # (NEMO_RL_DIR), which only that test's worker process puts on its path: the leg's other tests keep
 # the leg's packages. NeMo-RL's pyproject declares Python >=3.13.14 and lists only the top-level
@@ -72,7 +72,7 @@ NEMO_RL_ARCHIVE=nemo-rl-7ea279ab.tar.gz
 NEMO_RL_DIR=nemo-rl
 NEMO_RL_LIGHT_DEPS="transformers>=5.8,<5.9 ray pydantic pyzmq nvidia-ml-py fastapi uvicorn hydra-core prometheus_client pillow requests rich datasets wandb mlflow-skinny swanlab tensorboard tensordict nvidia-modelopt megatron-energon"
 # What Megatron-Bridge's training entry imports (`training.finetune`, `training.pretrain` and
-# `training.gpt_step`, which tests/test_bridge_finetune.py runs) beyond the light dependencies:
+# `training.gpt_step`, which tests/integration/bridge/test_bridge_finetune.py runs) beyond the light dependencies:
 # HF datasets, nvidia-modelopt, Megatron-Energon and tensorboard, and what each of them imports in
 # turn; installed into the folders of the legs with Bridge (0.19.2, 0.20.0) without their
 # dependencies (they include torch and CUDA-only packages). nvidia-resiliency-ext is not among
@@ -84,7 +84,7 @@ BRIDGE_TRAINING_DEPS="datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pandas==
 AUTOMODEL_VERSION=0.7.0
 # NeMo Automodel is installed without its dependencies as well (they include CUDA-only packages):
 # its MoE experts module imports torch, triton and packaging, and its BackendConfig transformers
-# (above), for tests/test_automodel.py (install_fp32_combine on its GroupedExperts).
+# (above), for tests/integration/automodel/test_automodel.py (install_fp32_combine on its GroupedExperts).
 AUTOMODEL_LIGHT_DEPS="packaging"
 # The lint (run_tests.sh's first step, once per run; its rules are pyproject.toml's [tool.ruff]):
 # ruff, pinned, installed into the venv of the run's first leg.
@@ -264,7 +264,7 @@ setup_nemo_rl() {  # venv folder -> NeMo-RL's source, its recipes and the packag
   # worker imports, into folder
   local venv=$1 folder=$2 report pins
   if [ ! -f "$STACK_DIR/$NEMO_RL_ARCHIVE" ]; then
-    echo "[setup 0.20.0] $STACK_DIR/$NEMO_RL_ARCHIVE not found: tests/test_nemo_rl.py will skip"
+    echo "[setup 0.20.0] $STACK_DIR/$NEMO_RL_ARCHIVE not found: tests/integration/nemo_rl/test_nemo_rl.py will skip"
     return 0
   fi
   echo "[setup 0.20.0] unpacking NeMo-RL ($NEMO_RL_ARCHIVE) and installing the packages its Megatron worker imports into $folder"

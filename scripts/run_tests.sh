@@ -4,7 +4,7 @@
 # Python 3.12 (scripts/legs.sh). Arguments go to pytest. First, once per run, the lint: ruff
 # (pinned in scripts/legs.sh, rules in pyproject.toml) over the tree; findings fail the run, the
 # legs still run.
-#   MCORE_TORCH_EXPERTS_LEGS="0.19.2" bash scripts/run_tests.sh tests/test_experts.py
+#   MCORE_TORCH_EXPERTS_LEGS="0.19.2" bash scripts/run_tests.sh tests/unit/test_experts.py
 # A leg whose Python is missing is skipped with the reason, except under CI (CI=true), where it
 # fails. Each leg prints its ten slowest tests; the run ends with the lint's line, one line per
 # leg (its setup and test seconds, its counts from pytest's junit XML) and the total.

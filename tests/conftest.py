@@ -10,17 +10,17 @@ import pytest
 import torch
 
 from support.cpu_support import megatron_patches
-from triton_interpreter import interpreter_is_on, run_interpreted
+from support.triton_interpreter import interpreter_is_on, run_interpreted
 
 ROOT = Path(__file__).resolve().parents[1]
 # Child processes (examples, workers, torchrun, benchmarks) import this checkout's package, not
 # whichever copy an editable install points at, and the suite's own modules (tests/: the
-# references and model presets; tests/workers/: the workers; benchmarks/: the harness;
-# examples/: the examples the workers run), as this process does through pytest's `pythonpath`
-# setting (setup.cfg).
+# `support` package; tests/integration/megatron_lm/: the Megatron-LM worker's flags;
+# benchmarks/: the harness; examples/: the examples the workers run), as this process does
+# through pytest's `pythonpath` setting (setup.cfg).
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [
-    str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "workers"), str(ROOT / "benchmarks"),
-    str(ROOT / "examples"), os.environ.get("PYTHONPATH")]))
+    str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "integration" / "megatron_lm"),
+    str(ROOT / "benchmarks"), str(ROOT / "examples"), os.environ.get("PYTHONPATH")]))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -112,7 +112,7 @@ def megatron_cpu(megatron_world, monkeypatch):
 @pytest.fixture
 def megatron_cpu_training(megatron_cpu, monkeypatch):
     """megatron_cpu, plus what selective "layernorm" recompute needs without Transformer Engine.
-    On a CUDA host too these FP32 models stay on the CPU; tests/test_te_lora.py trains adapters
+    On a CUDA host too these FP32 models stay on the CPU; tests/unit/test_te_lora.py trains adapters
     under recompute on the GPU with Transformer Engine."""
     _apply(monkeypatch, megatron_patches(on_cpu=True, recompute_without_te=True))
     return megatron_cpu

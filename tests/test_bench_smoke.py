@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchrun_support import torchrun
+from support.torchrun import torchrun
 
 # The benchmarks' smoke runs on 0.19.2, the release their GPU runs use (BENCHMARKS.md); those
 # marked once_per_venv (bench_experts, whose Megatron arms differ by release, and the kernels')

@@ -10,11 +10,11 @@ import pytest
 import torch
 from megatron.core.models.gpt import gpt_layer_specs
 
-from doc_snippets import PUBLISHED, README_MD, code_blocks, run_snippet, snippet, snippets
 from mcore_torch_experts import TorchGroupedMLP, apply_lora, build_gpt_model
-from spec_support import experts_class, mlp_kinds, plain_config
-from te_support import needs_te
-from tiny_gpt import fp32_moe_config, gpt, tiny_config
+from support.doc_snippets import PUBLISHED, README_MD, code_blocks, run_snippet, snippet, snippets
+from support.specs import experts_class, mlp_kinds, plain_config
+from support.te import needs_te
+from support.tiny_gpt import fp32_moe_config, gpt, tiny_config
 
 TESTS = Path(__file__).parent
 REPO = TESTS.parent
@@ -31,8 +31,8 @@ def test_snippet_names_are_unique_across_the_pages():
 
 
 def test_every_snippet_is_run_by_a_test():
-    sources = "".join(path.read_text() for folder in (TESTS, TESTS / "workers")
-                      for path in folder.glob("*.py"))
+    sources = "".join(path.read_text() for path in TESTS.rglob("*.py")
+                      if "third_party" not in path.parts)
     used = set(re.findall(r'(?:run_snippet|snippet)\("([\w-]+)"', sources))
     published = {name for doc in PUBLISHED for name in snippets(doc)}
     assert published <= used, f"not run by any test: {sorted(published - used)}"

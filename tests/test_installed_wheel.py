@@ -38,10 +38,10 @@ import megatron.core
 import pytest
 
 import mcore_torch_experts
-from doc_snippets import PUBLISHED, README_MD, snippet, snippets
 from mcore_torch_experts import specs
 from megatron_lm_worker import documented_flags
-from spec_support import LAUNCHER_ENTRY_POINTS
+from support.doc_snippets import PUBLISHED, README_MD, snippet, snippets
+from support.specs import LAUNCHER_ENTRY_POINTS
 
 # The venv's Python and setuptools: one leg per venv (scripts/legs.sh).
 pytestmark = pytest.mark.once_per_venv
@@ -235,7 +235,7 @@ def installed(built):
     workdir = root / "cwd"
     workdir.mkdir()
     result_path = root / "result.json"
-    run([python, "-c", (TESTS / "workers" / "installed_wheel_worker.py").read_text(), result_path,
+    run([python, "-c", (TESTS / "installed_wheel_worker.py").read_text(), result_path,
          json.dumps(inputs)], cwd=workdir)
     result = json.loads(result_path.read_text())
     result.update(venv=str(venv), site=str(site), workdir=str(workdir), inputs=inputs)

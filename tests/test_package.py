@@ -4,7 +4,10 @@ kernels wing imports nothing of the package outside it but the package's error t
 package's __init__ imports the integrations wing (and nothing imports its NeMo-RL module), only
 that module imports NeMo-RL and Ray; the package holds no test scaffolding (no stand-in module, no
 patch of torch: those live on the test side, tests/support), and the examples import only the
-package, torch, Megatron and the libraries they demonstrate."""
+package, torch, Megatron and the libraries they demonstrate. The suite's doors: unit tests
+import of the repository only the package and tests/support; an integration room
+(tests/integration/<stack>/) imports nothing of another room; tests/support imports nothing of
+the test folders."""
 
 import ast
 import sys
@@ -13,6 +16,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).parents[1] / "mcore_torch_experts"
 SUPPORT = Path(__file__).parent / "support"
 EXAMPLES = Path(__file__).parents[1] / "examples"
+TESTS = Path(__file__).parent
+ROOMS = TESTS / "integration"
 
 
 def module_name(path: Path) -> str:
@@ -183,3 +188,49 @@ def test_the_kernels_wing_imports_only_itself_and_the_error_type():
     assert len(kernels) >= 6
     outside = {m: sorted(graph[m] - kernels - {"errors"}) for m in kernels}
     assert all(not found for found in outside.values()), outside
+
+
+def local_modules(folder: Path) -> set:
+    """The importable names the repository's own files in `folder` define (a module per file,
+    a package per folder holding an __init__.py), vendored third-party code left out."""
+    names = set()
+    for path in folder.rglob("*.py"):
+        if "third_party" in path.parts:
+            continue
+        names.add(path.parent.name if path.name == "__init__.py" else path.stem)
+    return names
+
+
+REPOSITORY = (local_modules(TESTS) | local_modules(EXAMPLES) | local_modules(TESTS.parent / "benchmarks")
+              | {"mcore_torch_experts", "specs"}) - {"conftest"}
+
+
+def repository_imports(path: Path) -> set:
+    return outside_imports(path) & REPOSITORY
+
+
+def test_unit_tests_import_only_the_package_and_support():
+    unit = sorted((TESTS / "unit").rglob("*.py"))
+    assert len(unit) >= 20
+    found = {str(p.relative_to(TESTS)): sorted(repository_imports(p) - {"mcore_torch_experts", "support"})
+             for p in unit}
+    assert {name: names for name, names in found.items() if names} == {}
+
+
+def test_each_integration_room_imports_no_other_room():
+    rooms = {room.name: room for room in ROOMS.iterdir() if room.is_dir()}
+    assert {"bridge", "megatron_lm", "nemo_rl", "automodel"} <= set(rooms)
+    crossings = {}
+    for name, room in rooms.items():
+        others = set().union(*(local_modules(r) for n, r in rooms.items() if n != name))
+        for path in room.rglob("*.py"):
+            if "third_party" not in path.parts and (names := repository_imports(path) & others):
+                crossings[str(path.relative_to(TESTS))] = sorted(names)
+    assert crossings == {}
+
+
+def test_support_imports_nothing_of_the_test_folders():
+    folders = set().union(*(local_modules(TESTS / f) for f in ("unit", "integration", "distributed")))
+    found = {str(p.relative_to(TESTS)): sorted(repository_imports(p) & folders)
+             for p in (TESTS / "support").rglob("*.py")}
+    assert {name: names for name, names in found.items() if names} == {}

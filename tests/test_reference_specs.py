@@ -13,9 +13,9 @@ import torch
 import yaml
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
-from doc_snippets import snippet
 from mcore_torch_experts import TorchExpertsTransformerConfig, TorchGroupedMLP, _compat, specs
-from tiny_gpt import SEQ, VOCAB, batch
+from support.doc_snippets import snippet
+from support.tiny_gpt import SEQ, VOCAB, batch
 
 SPECS = Path(__file__).resolve().parents[1] / "specs"
 FAMILIES = ("qwen3_moe", "deepseek_v3", "nemotron3_hybrid")
@@ -154,7 +154,7 @@ def tiny_hybrid_config(module, pattern):
 
 def test_hybrid_stack_spec_has_torch_experts_and_megatrons_other_layers():
     """On the CPU only the spec: Megatron's hybrid stack spec is built from Transformer Engine
-    modules (tests/test_hybrid.py). Its MoE layer gets TorchGroupedMLP; Mamba and attention
+    modules (tests/unit/test_hybrid.py). Its MoE layer gets TorchGroupedMLP; Mamba and attention
     layers stay Megatron's."""
     module = family("nemotron3_hybrid")
     config = tiny_hybrid_config(module, "MEM*E")
@@ -202,7 +202,7 @@ def test_tiny_hybrid_model_trains_one_step_with_torch_experts(megatron_world):
 def bridge_providers():
     """Megatron-Bridge's GPT and hybrid provider classes (bridge_support: skipped, with the
     reason, where Bridge cannot be imported)."""
-    from bridge_support import import_bridge_peft
+    from support.bridge import import_bridge_peft
 
     import_bridge_peft()
     from megatron.bridge.models.gpt_provider import GPTModelProvider

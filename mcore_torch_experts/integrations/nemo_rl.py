@@ -13,7 +13,7 @@ rebuilds the provider (`load_model_config` -> `instantiate`) for the policy and 
 model; `instantiate` admits the package's functions once its prefix is registered, which this
 worker does in its own process before anything is loaded.
 
-tests/test_nemo_rl.py runs this class's `__init__` (NeMo-RL main's whole worker setup),
+tests/integration/nemo_rl/test_nemo_rl.py runs this class's `__init__` (NeMo-RL main's whole worker setup),
 `get_logprobs` and a `train` step on the CPU, in the test's process rather than in a Ray actor;
 see docs/enable.md, "NeMo-RL".
 """

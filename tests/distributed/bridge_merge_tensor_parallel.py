@@ -1,5 +1,5 @@
 """merge_bridge_lora on Megatron-Bridge LoRA over tensor-parallel dense linears, TP=2 on two gloo
-processes; run by tests/test_bridge_lora.py:
+processes; run by tests/integration/bridge/test_bridge_lora.py:
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 \
         tests/distributed/bridge_merge_tensor_parallel.py

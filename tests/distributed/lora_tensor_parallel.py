@@ -1,5 +1,5 @@
 """LoRA on a tensor-parallel base, TP=2 on two gloo processes, against the same model
-unsharded in plain torch; run by tests/test_lora.py:
+unsharded in plain torch; run by tests/unit/test_lora.py:
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 \
         tests/distributed/lora_tensor_parallel.py

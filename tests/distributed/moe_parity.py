@@ -50,7 +50,7 @@ CASES = {"swiglu": Sizes(glu=True), "squared_relu": Sizes(glu=False)}
 # TEGroupedMLP (TE's grouped linears, CUDA only) against TorchGroupedMLP in the TE spec's layers:
 # both BF16 with the same router and dispatcher, rounding to BF16 in different places (3.4e-3 to
 # 4.1e-3 between the two experts modules at model shapes, docs/transformer_engine.md): the bound
-# of CUDA's SequentialMLP comparison and of tests/test_te_parity.py.
+# of CUDA's SequentialMLP comparison and of tests/unit/test_te_parity.py.
 TOLERANCE = {"reference": 2e-2, "sequential": {"cpu": 1e-3, "cuda": 2e-2}, "te": {"cuda": 2e-2}}
 # (TorchGroupedMLP, the experts it is compared with) of each parity block
 PAIRS = {"parity": ("torch", "sequential"), "te_parity": ("torch-te", "te")}

@@ -1,4 +1,4 @@
-"""The Megatron-Bridge training config the finetune runs share (tests/workers/bridge_finetune_worker.py
+"""The Megatron-Bridge training config the finetune runs share (tests/integration/bridge/bridge_finetune_worker.py
 on the CPU, benchmarks/bridge_finetune_run.py on the GPU): one phase of Bridge's `pretrain()` or
 `finetune()` on mock data, a `torch_dist` checkpoint per phase, Adam with a cosine schedule.
 """
