@@ -13,9 +13,13 @@ is done to them.
   for that call only, and neither it nor the buffer is written.
 """
 
+import operator
 from typing import List, Optional
 
 import torch
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_DTYPE = operator.attrgetter("dtype")
 
 TRAINABLE_BASE_ERROR = (
     "TorchGroupedMLP runs frozen expert weights only: it builds them frozen, but {name}.{param} "
@@ -94,18 +98,32 @@ class PackedExpertWeights(torch.nn.Module):
         return [i for i, w in enumerate(self._own_weights) if not self._views_slot(i, w)]
 
     def packed(self, refuse_trainable: bool = False) -> torch.Tensor:
-        """The packed weight [E, out, in] for this call, with one walk over the experts.
+        """The packed weight [E, out, in] for this call.
 
         A registered `weightN` that no longer views its slot (`.data` swapped) is repacked for
         good. A substitute (torch.func.functional_call) is used for this call only: the weights
         are stacked into a temporary [E, out, in], and neither the buffer nor the substitute is
         written; a tensor substituted for `packed_weight` itself is neither used nor written.
         With `refuse_trainable`, a `weightN` that requires grad is an error.
+
+        Every forward calls this: the usual case (every weight its own Parameter, viewing its
+        slot) is decided by a few passes in C over the experts, the per-expert walk only runs
+        when one of them says something changed.
         """
+        weights = self.expert_weights()
+        if refuse_trainable and any(map(_REQUIRES_GRAD, weights)):
+            index = next(i for i, w in enumerate(weights) if w.requires_grad)
+            raise RuntimeError(TRAINABLE_BASE_ERROR.format(name=self.name, param=f"weight{index}"))
+        packed = self._packed
+        if (self._buffers["packed_weight"] is packed
+                and all(map(operator.is_, weights, self._own_weights))
+                and list(map(torch.Tensor.data_ptr, weights)) == self._slot_addresses()
+                and all(map(operator.is_, map(_DTYPE, weights), [packed.dtype] * len(weights)))):
+            # The slot's address says the device too: CUDA and host allocations share one
+            # virtual address space (UVA) without overlapping, and a meta tensor's address is 0.
+            return packed
         stale, substituted = [], False
-        for i, w in enumerate(self.expert_weights()):
-            if refuse_trainable and w.requires_grad:
-                raise RuntimeError(TRAINABLE_BASE_ERROR.format(name=self.name, param=f"weight{i}"))
+        for i, w in enumerate(weights):
             if w is not self._own_weights[i]:
                 substituted = True
             elif not self._views_slot(i, w):
@@ -115,6 +133,16 @@ class PackedExpertWeights(torch.nn.Module):
         if substituted or self._buffers["packed_weight"] is not self._packed:
             return self._substituted_weight()
         return self._packed
+
+    def _slot_addresses(self) -> List[int]:
+        """The address of each expert's slot in the buffer (kept until the buffer changes)."""
+        packed = self._packed
+        key = (packed.data_ptr(), packed.stride(0), packed.element_size())
+        if self.__dict__.get("_addresses_key") != key:
+            step = packed.stride(0) * packed.element_size()
+            self._addresses = [key[0] + i * step for i in range(self.num_experts)]
+            self._addresses_key = key
+        return self._addresses
 
     def _substituted_weight(self) -> torch.Tensor:
         """[E, out, in]: the weights held now, in the buffer's dtype and device."""

@@ -488,3 +488,22 @@ def test_batch_invariance_probe_refuses_megatrons_mode_without_a_gpu(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--megatron-mode: Megatron's batch-invariant kernels need a CUDA GPU" in proc.stderr
+
+
+@BENCH_SMOKE
+def test_bench_host_time_smoke(tmp_path):
+    stdout = run_benchmark("bench_host_time.py", "--out-dir", str(tmp_path), "--experts", "8",
+                           "--rows", "16", "--rounds", "2", "--calls", "2")
+    assert "| call | us per call, median (min–max) of the rounds |" in stdout
+    for call in ("`linear_fc1.packed()`", "forward (no grad)", "forward + input gradient"):
+        assert f"| {call} | " in stdout
+    report = json.loads((tmp_path / "host_time.json").read_text())
+    rounds = {call: values for call, values in report.items() if call != "header"}
+    assert len(rounds) == 3 and all(len(v) == 2 and min(v) > 0 for v in rounds.values()), rounds
+
+
+def test_bench_host_time_refuses_bad_arguments(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_host_time.py"),
+                           "--out-dir", str(tmp_path), "--rounds", "0"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--rounds" in proc.stderr
