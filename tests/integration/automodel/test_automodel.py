@@ -276,9 +276,12 @@ def test_no_full_size_fp32_temporary_in_forward_or_backward():
     chunk, slack = chunk_rows * hidden * 4, 4 * 2 ** 20
     saving = {"forward": fp32_copy - 2 * chunk, "backward": fp32_copy - accumulator - 2 * chunk}
     args = [tokens, hidden, experts, top_k, chunk_rows]
+    # The probe imports this module by name: its folder first on the child's path.
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
     probe = subprocess.run([sys.executable, "-c", MEMORY_PROBE, *map(str, args)],
                            capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+                           env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536",
+                                "PYTHONPATH": path})
     assert probe.returncode == 0, probe.stderr[-4000:]
     peaks = json.loads(probe.stdout.splitlines()[-1])
     if peaks["shipped"]["forward"] is None:
