@@ -116,12 +116,13 @@ def variants(automodel, chunk_rows, triton_note):
 
 def triton_status(device):
     try:
-        combine_triton = package_module("kernels.combine_triton")
+        package_module("kernels.combine_triton")
     except ImportError as error:
         return f"skipped: triton not importable ({error})"
     if device.type == "cuda":
         return "compiled"
-    return INTERPRETED if combine_triton.kernels_are_interpreted() else "skipped: no interpreter"
+    interpreted = package_module("kernels").TRITON_INTERPRETER
+    return INTERPRETED if interpreted else "skipped: no interpreter"
 
 
 class Bench:

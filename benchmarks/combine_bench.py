@@ -161,12 +161,12 @@ INTERPRETED = "interpreted (TRITON_INTERPRET=1): checked, not timed or measured"
 
 def triton_status(device):
     try:
-        from mcore_torch_experts.kernels import combine_triton
+        from mcore_torch_experts.kernels import combine_triton  # noqa: F401
     except ImportError as error:
         return f"skipped: triton not importable ({error})"
     if device.type == "cuda":
         return "compiled"
-    if combine_triton.kernels_are_interpreted():
+    if package_module("kernels").TRITON_INTERPRETER:
         return INTERPRETED
     return "skipped: CPU tensors need TRITON_INTERPRET=1 before triton is imported"
 

@@ -213,12 +213,12 @@ def _triton_importable() -> bool:
 
 def _check_triton_can_run(expert_out: torch.Tensor) -> None:
     try:
-        from .kernels import combine_triton
+        from .kernels import TRITON_INTERPRETER, combine_triton  # noqa: F401
     except ImportError as error:
         raise RuntimeError(f"backend='triton' needs the triton package: {error}") from error
     if expert_out.is_cuda:
         return
-    if expert_out.device.type == "cpu" and combine_triton.kernels_are_interpreted():
+    if expert_out.device.type == "cpu" and TRITON_INTERPRETER:
         return
     raise RuntimeError(
         f"backend='triton' needs CUDA tensors (got {expert_out.device}); on the CPU it runs "

@@ -10,5 +10,13 @@
   epilogues; `fused_experts.py`: the autograd Functions around them and the adapters' term.
 - `combine_triton.py`: the deterministic FP32 top-k combine kernel.
 
-The Triton modules import triton at module level; `choice.py` and `grouped_gemm.py` do not.
+The Triton modules import triton at module level; `choice.py` and `grouped_gemm.py` do not;
+this file imports neither triton nor Megatron-Core (the FP32 combine runs without them).
 """
+
+import os
+
+TRITON_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+"""Whether triton runs this package's kernels in its interpreter (CPU tensors): `triton.jit` reads
+the variable when each kernel module is imported, so this is read at import too. The one place
+the package (and its tests and benchmarks) asks."""

@@ -11,7 +11,6 @@ measured faster.
 
 import enum
 import functools
-import os
 import types
 from dataclasses import dataclass
 from typing import Callable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 from megatron.core.activations import squared_relu
 
 from ..errors import TorchExpertsConfigError
+from . import TRITON_INTERPRETER
 
 
 class ExpertKernel(enum.StrEnum):
@@ -41,9 +41,6 @@ class ActivationImpl(enum.StrEnum):
 KERNEL_ACTIVATIONS = {squared_relu: 0, F.silu: 1}
 """The activations both Triton kernels compute, and each one's code in the kernels (`ACT`)."""
 
-TRITON_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-"""Whether triton runs its kernels in its interpreter (CPU tensors): it reads the variable when it
-is first imported, so this is read at import too."""
 
 FUSED_GEMM_AUTO_CAPABILITIES = ((9, 0),)
 """GPUs where "auto" picks the fused GEMM kernels, for non-gated activations only: there they

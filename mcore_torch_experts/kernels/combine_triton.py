@@ -13,7 +13,7 @@ full-size temporaries, bit-identical run to run.
 
 Triton compiles for CUDA tensors. CPU tensors run only under the Triton interpreter, which needs
 TRITON_INTERPRET=1 set before triton is first imported (Megatron-Core imports it); see
-`kernels_are_interpreted`. The interpreter truncates fp32 -> bf16 casts; CUDA rounds to nearest.
+`kernels.choice.TRITON_INTERPRETER`. The interpreter truncates fp32 -> bf16 casts; CUDA rounds to nearest.
 """
 
 from typing import Optional, Tuple
@@ -81,13 +81,6 @@ def _combine_backward_kernel(
                         mask=col_mask, other=0.0).to(tl.float32)
             tl.store(grad_probs_partial_ptr + row * num_col_blocks + col_block,
                      tl.sum(g * x, axis=0))
-
-
-def kernels_are_interpreted() -> bool:
-    """True when the kernels were built for the Triton interpreter (TRITON_INTERPRET=1)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_combine_forward_kernel, InterpretedFunction)
 
 
 def token_csr(token_ids: torch.Tensor, num_tokens: int) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import TRITON_INTERPRETER
 from .activation_triton import _act_and_slope
-from .choice import TRITON_INTERPRETER
 
 # DOT_FP32=TRITON_INTERPRETER: under triton's interpreter a bf16 tl.dot reads its operands' bits
 # wrongly, so the kernels feed it FP32 copies there (bf16 products are exact in FP32: the result
@@ -335,4 +335,7 @@ def fc2_dgrad_activation(grad_out, w2, offs, probs, h, act, glu, offset, clamp, 
         LORA_PER_EXPERT=lora and la.dim() == 3, BLOCK_R=_block_r(rank),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         E_P2=_e_p2(num_experts), num_warps=tiles.warps, num_stages=tiles.stages)
-    return dh, (partial.sum(0) if want_dprobs else None)
+    # The tiles' partial sums added in tile order, each row alone: cumsum over the outer dim is a
+    # sequential scan per row on the CPU and on CUDA, where sum(0) may pick its order by the row
+    # count (on the CPU it does from 8 tiles): d probs must not depend on the other rows.
+    return dh, (partial.cumsum(0)[-1] if want_dprobs else None)

@@ -19,6 +19,7 @@ from mcore_torch_experts.combine import (
     chunk_rows_from_env,
     fp32_combine,
 )
+from mcore_torch_experts.kernels import TRITON_INTERPRETER
 from support.triton_interpreter import ROOT, interpreter_is_on, run_interpreted
 
 # torch and Triton only, the same on every release: one leg per venv (scripts/legs.sh).
@@ -76,11 +77,8 @@ def run_combine(expert_out, token_ids, probs, grad_y, **options):
 
 def bf16_cast_rel_err(options):
     """The Triton interpreter truncates fp32 -> bf16; torch and the compiled kernel round."""
-    if options["backend"] == "triton":
-        from mcore_torch_experts.kernels import combine_triton
-
-        if combine_triton.kernels_are_interpreted():
-            return BF16_TRUNC_REL_ERR
+    if options["backend"] == "triton" and TRITON_INTERPRETER:
+        return BF16_TRUNC_REL_ERR
     return BF16_RTNE_REL_ERR
 
 
@@ -96,9 +94,7 @@ def interpreted_triton():
     skip in an ordinary session; test_triton_tests_pass_under_the_interpreter reruns them in a
     child process started with TRITON_INTERPRET=1."""
     pytest.importorskip("triton", reason="triton is not installed: the fused kernel is untested")
-    from mcore_torch_experts.kernels import combine_triton
-
-    if not combine_triton.kernels_are_interpreted():
+    if not TRITON_INTERPRETER:
         pytest.skip("the Triton interpreter is off in this process; "
                     "test_triton_tests_pass_under_the_interpreter runs this test with it on")
 
@@ -302,9 +298,7 @@ def test_bad_input_raises_value_error(case):
 
 def test_triton_backend_on_cpu_without_interpreter_raises():
     pytest.importorskip("triton", reason="triton is not installed")
-    from mcore_torch_experts.kernels import combine_triton
-
-    if combine_triton.kernels_are_interpreted():
+    if TRITON_INTERPRETER:
         pytest.skip("the Triton interpreter is on in this process")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         fp32_combine(torch.zeros(2, 4), torch.tensor([0, 1]), 2, backend="triton")
@@ -314,9 +308,7 @@ def test_triton_tests_pass_under_the_interpreter():
     """Reruns every triton test of this file in a child process with TRITON_INTERPRET=1 set from
     the start, so the kernels run (interpreted) on the CPU whatever this process imported."""
     pytest.importorskip("triton", reason="triton is not installed: the fused kernel is untested")
-    from mcore_torch_experts.kernels import combine_triton
-
-    if combine_triton.kernels_are_interpreted():
+    if TRITON_INTERPRETER:
         pytest.skip("this process already runs the triton tests under the interpreter")
     if torch.cuda.is_available():
         pytest.skip("on a CUDA host this process runs the triton cases of the `options` tests "

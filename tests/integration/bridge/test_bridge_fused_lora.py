@@ -227,7 +227,7 @@ def test_bridges_adapters_pass_the_adapter_check(bridge, megatron_cpu, layout):
     """Bridge's shared and per-expert LoRA on both linears pass the adapter check: on the CPU
     without the interpreter the forced call reaches the device check."""
     pytest.importorskip("triton")
-    from mcore_torch_experts.kernels.choice import TRITON_INTERPRETER
+    from mcore_torch_experts.kernels import TRITON_INTERPRETER
 
     if TRITON_INTERPRETER:
         pytest.skip("under the interpreter the kernels run on the CPU")
