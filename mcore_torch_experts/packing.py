@@ -86,12 +86,11 @@ class PackedExpertWeights(torch.nn.Module):
             self._repack([index])
 
     def _views_slot(self, index: int, weight: torch.Tensor) -> bool:
-        """Whether `weight` is slot `index` of the buffer (address arithmetic: this runs for
-        every expert of every forward, and indexing the buffer would make a tensor each time)."""
+        """Whether `weight` is slot `index` of the buffer (by address: indexing the buffer would
+        make a tensor each time)."""
         packed = self._packed
-        slot = packed.data_ptr() + index * packed.stride(0) * packed.element_size()
         return (weight.dtype == packed.dtype and weight.device == packed.device
-                and weight.data_ptr() == slot)
+                and weight.data_ptr() == self._slot_addresses()[index])
 
     def _stale(self) -> List[int]:
         """The registered weights that no longer view their slot (replaced, not yet packed)."""
