@@ -32,14 +32,20 @@ LEGS_ALL="0.16.1 0.17.1 0.18.2 0.19.2 0.20.0"
 #                  benchmarks' CPU smoke runs (bench_cycle, cycle_memory, the Bridge and
 #                  Automodel benchmarks), which hold nothing release-specific.
 #   distributed    the torchrun workers (expert, tensor and expert-tensor parallelism, DDP,
-#                  distributed checkpoints): 0.16.1, 0.19.2 and 0.20.0, the oldest release, the
-#                  last with a PyPI wheel (Bridge 0.6.2's) and the one NeMo-RL pins. 0.17.1 and
-#                  0.18.2 run everything else; a torchrun launch costs 8 to 18 s of CI per leg.
-# MCORE_TORCH_EXPERTS_ONCE_PER_VENV_LEGS, MCORE_TORCH_EXPERTS_BENCH_SMOKE_LEGS and
-# MCORE_TORCH_EXPERTS_DISTRIBUTED_LEGS override the lists ("all": every leg).
+#                  distributed checkpoints): 0.16.1 and 0.20.0, the oldest release and the one
+#                  NeMo-RL pins; a torchrun launch costs 8 to 20 s of CI per leg.
+#   examples       the examples run end to end, each in its own process (tests/test_examples.py):
+#                  0.16.1 and 0.20.0 as well (hf_roundtrip, which needs Bridge, on 0.20.0); each
+#                  costs 10 to 25 s per leg on Python 3.12, where a process imports the CUDA
+#                  build of torch. The Megatron APIs they call are unit-tested on every leg.
+# 0.17.1, 0.18.2 and 0.19.2 run everything else.
+# MCORE_TORCH_EXPERTS_ONCE_PER_VENV_LEGS, MCORE_TORCH_EXPERTS_BENCH_SMOKE_LEGS,
+# MCORE_TORCH_EXPERTS_DISTRIBUTED_LEGS and MCORE_TORCH_EXPERTS_EXAMPLES_LEGS override the lists
+# ("all": every leg).
 LEGS_ONCE_PER_VENV=${MCORE_TORCH_EXPERTS_ONCE_PER_VENV_LEGS:-0.16.1 0.19.2}
 LEGS_BENCH_SMOKE=${MCORE_TORCH_EXPERTS_BENCH_SMOKE_LEGS:-0.19.2}
-LEGS_DISTRIBUTED=${MCORE_TORCH_EXPERTS_DISTRIBUTED_LEGS:-0.16.1 0.19.2 0.20.0}
+LEGS_DISTRIBUTED=${MCORE_TORCH_EXPERTS_DISTRIBUTED_LEGS:-0.16.1 0.20.0}
+LEGS_EXAMPLES=${MCORE_TORCH_EXPERTS_EXAMPLES_LEGS:-0.16.1 0.20.0}
 TORCH_VERSION=2.13.0
 BRIDGE_VERSION=0.6.2
 # The 0.20.0 leg: megatron-core 0.20.0 and megatron-bridge 0.7.0 are not released as wheels; NeMo-RL
@@ -93,7 +99,7 @@ RUFF_VERSION=0.17.6
 leg_skips() {  # leg -> "marker=legs;" for each marker above whose tests skip on that leg
   local leg=$1 pair legs
   for pair in "once_per_venv=$LEGS_ONCE_PER_VENV" "bench_smoke=$LEGS_BENCH_SMOKE" \
-      "distributed=$LEGS_DISTRIBUTED"; do
+      "distributed=$LEGS_DISTRIBUTED" "examples=$LEGS_EXAMPLES"; do
     legs=${pair#*=}
     [ "$legs" = all ] || [[ " $legs " == *" $leg "* ]] || printf '%s;' "$pair"
   done

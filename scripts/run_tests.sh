@@ -11,9 +11,9 @@
 # Some tests run on some legs only, by marker: `once_per_venv` (the Triton-interpreter kernel
 # tests, the combine, the installed wheel, two benchmarks' smoke runs: what they check depends on
 # the venv, not on the megatron-core release) on 0.16.1 and 0.19.2, `bench_smoke` (the other
-# benchmarks' smoke runs) on 0.19.2, `distributed` (the torchrun workers) on 0.16.1, 0.19.2 and
-# 0.20.0. The rule is scripts/legs.sh's (LEGS_ONCE_PER_VENV, LEGS_BENCH_SMOKE, LEGS_DISTRIBUTED,
-# leg_skips); this script hands each leg its skips in
+# benchmarks' smoke runs) on 0.19.2, `distributed` (the torchrun workers) and `examples` (the
+# examples end to end) on 0.16.1 and 0.20.0. The rule is scripts/legs.sh's (LEGS_ONCE_PER_VENV,
+# LEGS_BENCH_SMOKE, LEGS_DISTRIBUTED, LEGS_EXAMPLES, leg_skips); this script hands each leg its skips in
 # MCORE_TORCH_EXPERTS_LEG_SKIPS and tests/conftest.py skips them, each with the reason. The leg
 # line says which markers it skipped.
 set -uo pipefail

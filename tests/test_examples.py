@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.examples  # on the 0.16.1 and 0.20.0 legs (scripts/legs.sh)
+
 EXAMPLES = Path(__file__).parents[1] / "examples"
 CPU_LAUNCHER = Path(__file__).parent / "support" / "run_on_cpu.py"
 RUNS = {
@@ -28,7 +30,7 @@ DEMO_CUDA_BF16_TOL = 1e-2  # TorchGroupedMLP vs SequentialMLP in BF16 (fused act
 NEEDS_BRIDGE = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None
     or importlib.util.find_spec("megatron.bridge") is None,
-    reason="needs megatron-bridge and transformers (the Python 3.12 / megatron-core 0.19 leg)")
+    reason="needs megatron-bridge and transformers (the 0.19.2 and 0.20.0 legs)")
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=NEEDS_BRIDGE) if name == "hf_roundtrip"
