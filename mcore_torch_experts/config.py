@@ -66,13 +66,6 @@ REFUSED_WHEN_SET = {
                                  "(linear_fc*.weightN); set moe_single_grouped_weight=False.",  # 0.18+
     "moe_paged_stash": "TorchGroupedMLP saves what its backward needs itself and keeps no "
                        "paged stash; set moe_paged_stash=False.",  # 0.18+
-    # Megatron's batch-invariant kernels (the field exists from 0.16; 0.20 adds batch-invariant
-    # MoE). Our path's invariance is not proven yet (docs/guarantees.md, "Batch invariance"):
-    # never run it silently.
-    "batch_invariant_mode": "TorchGroupedMLP's kernels are not proven batch-invariant yet; set "
-                            "batch_invariant_mode=False, or keep "
-                            "moe_expert_gemm_backend='transformer_engine' for Megatron's "
-                            "batch-invariant MoE (it needs DeepGEMM).",
     **{field: f"routing-map padding rounds expert segments up for FP8/FP4 experts; the torch "
               f"backend runs BF16 segments of any length. Set {field}=False."
        for field in ("moe_router_padding_for_quantization", "moe_router_padding_for_fp8")},
@@ -186,6 +179,57 @@ def refuse_transformer_impl(config: TransformerConfig, setting: str) -> None:
                 setting)
 
 
+# batch_invariant_mode=True (Megatron's batch-invariant kernels; the field exists from 0.16, MoE
+# under it from 0.20): Megatron-Core 0.20's own requirements for an MoE model in the mode
+# (transformer_config.py), each as (field, whether a value meets it, the fix). Its DeepGEMM
+# requirement is not among them: DeepGEMM serves TE's grouped GEMM, which TorchGroupedMLP never
+# calls (its grouped GEMMs and kernels measured batch-invariant: docs/guarantees.md).
+BATCH_INVARIANT_MIN_RELEASE = (0, 20)
+BATCH_INVARIANT_REQUIREMENTS = (
+    ("params_dtype", lambda v: v == torch.bfloat16,
+     "the mode runs BF16 parameters only; set bf16=True and params_dtype=torch.bfloat16."),
+    ("attention_backend", lambda v: getattr(v, "name", v) == "flash",
+     "the mode runs FlashAttention only; set attention_backend=AttnBackend.flash."),
+    ("flash_attention_version", lambda v: v in (3, 4),
+     "training and rollouts must run the same batch-invariant FlashAttention kernel; set "
+     "flash_attention_version=3 or 4."),
+    ("context_parallel_size", lambda v: v == 1,
+     "context parallelism runs TE's FlashAttention 2 kernels; set context_parallel_size=1."),
+    ("attention_dropout", lambda v: v == 0.0,
+     "dropout is not batch-invariant; set attention_dropout=0.0."),
+    ("moe_token_dispatcher_type", lambda v: v == "alltoall",
+     "Megatron's batch-invariant MoE runs the alltoall dispatcher; set "
+     "moe_token_dispatcher_type='alltoall'."),
+    ("moe_permute_fusion", lambda v: not v,
+     "the unfused unpermute adds each token's rows in a fixed order; set moe_permute_fusion=False."),
+    ("moe_permute_fusion_into_hybridep", lambda v: not v,
+     "the unfused unpermute adds each token's rows in a fixed order; set "
+     "moe_permute_fusion_into_hybridep=False."),
+    ("moe_pad_expert_input_to_capacity", lambda v: not v,
+     "the mode runs dropless routing only; set moe_pad_expert_input_to_capacity=False."),
+    ("moe_pad_experts_for_cuda_graph_inference", lambda v: not v,
+     "the mode runs dropless routing only; set moe_pad_experts_for_cuda_graph_inference=False."),
+)
+
+
+def check_batch_invariant_mode(config: TransformerConfig) -> None:
+    """With batch_invariant_mode=True and TorchGroupedMLP experts: Megatron-Core 0.20 or newer
+    (the first with a batch-invariant MoE unpermute and router) and its requirements for the
+    mode (BATCH_INVARIANT_REQUIREMENTS); a field this Megatron-Core lacks reads as unset. The FP32
+    combine's part is validate_fp32_combine_config's."""
+    if not getattr(config, "batch_invariant_mode", False):
+        return
+    release = _compat.megatron_core_release()
+    if release < BATCH_INVARIANT_MIN_RELEASE:
+        _refuse("batch_invariant_mode", True,
+                f"batch-invariant MoE needs megatron-core >= 0.20 (its fixed-order unpermute and "
+                f"router); this is {'.'.join(map(str, release))}. Upgrade megatron-core or set "
+                "batch_invariant_mode=False.")
+    for field, meets, fix in BATCH_INVARIANT_REQUIREMENTS:
+        if hasattr(config, field) and not meets(getattr(config, field)):
+            _refuse(field, getattr(config, field), fix, "batch_invariant_mode=True")
+
+
 def _check_supported_settings(config: TransformerConfig) -> None:
     if config.num_moe_experts is None:
         _refuse("num_moe_experts", None,
@@ -196,6 +240,7 @@ def _check_supported_settings(config: TransformerConfig) -> None:
     refuse_transformer_impl(config, "moe_expert_gemm_backend='torch'")
     refuse_unsupported_flags(vars(config))
     _refuse_te_activation_mismatch(config)
+    check_batch_invariant_mode(config)
     dtype = config.params_dtype
     if dtype == torch.float16 or (dtype != torch.bfloat16 and not config.use_cpu_initialization):
         _refuse("params_dtype", dtype,
@@ -294,11 +339,12 @@ def validate_fp32_combine_config(config: TransformerConfig,
     if config.moe_token_dispatcher_type not in COMBINE_DISPATCHERS:
         refuse("moe_token_dispatcher_type", config.moe_token_dispatcher_type,
                f"use one of {COMBINE_DISPATCHERS}.")
-    if getattr(config, "batch_invariant_mode", False):
-        refuse("batch_invariant_mode", True, "the FP32 combine sums a token's rows in another "
-               "order than Megatron's batch-invariant unpermute and is not proven "
-               "batch-invariant; set moe_combine_in_fp32=False (Megatron's batch-invariant "
-               "combine is FP32 already) or batch_invariant_mode=False.")
+    backend = getattr(config, "moe_combine_backend", None)
+    if getattr(config, "batch_invariant_mode", False) and backend != "triton":
+        refuse("moe_combine_backend", backend, "under batch_invariant_mode=True the combine must "
+               "be the Triton kernel, which adds each token's rows in one fixed order, by "
+               "expert (the torch backend's scatter-add is not even run-to-run deterministic on CUDA); set "
+               "moe_combine_backend='triton'.")
     if config.moe_pad_expert_input_to_capacity:
         refuse("moe_pad_expert_input_to_capacity", True, "padded (drop-and-pad) combines are not "
                "supported; set moe_pad_expert_input_to_capacity=False.")
@@ -383,9 +429,21 @@ class TorchExpertsTransformerConfig(TransformerConfig):
         if self.moe_expert_gemm_backend == "torch":
             refuse_transformer_impl(self, "moe_expert_gemm_backend='torch'")
             refuse_unsupported_flags(vars(self))
+            check_batch_invariant_mode(self)
         if self.moe_combine_in_fp32:  # it reads no field that Megatron's checks derive
             validate_fp32_combine_config(self)
-        super().__post_init__()
+        # Megatron's checks of batch_invariant_mode for an MoE model are ours above but its
+        # DeepGEMM requirement (TE's grouped GEMM, which TorchGroupedMLP never calls): its
+        # __post_init__ runs with the mode off, which it reads for nothing else (0.20).
+        invariant = self.moe_expert_gemm_backend == "torch" and getattr(
+            self, "batch_invariant_mode", False)
+        if invariant:
+            self.batch_invariant_mode = False
+        try:
+            super().__post_init__()
+        finally:
+            if invariant:
+                self.batch_invariant_mode = True
         if self.moe_expert_gemm_backend == "torch":
             validate_torch_experts_config(self)
         check_expert_kernel(self)

@@ -279,6 +279,10 @@ class TorchGroupedMLP(MegatronModule):
             config=config, init_method=config.output_layer_init_method, parallel_mode="row",
             stride=1, pg_collection=pg_collection, name=f"{prefix}linear_fc2")
         self.grouped_mm_name = self.linear_fc1.grouped_mm_name
+        self.batch_invariant = bool(getattr(config, "batch_invariant_mode", False))
+        """batch_invariant_mode=True: every forward first checks that Megatron's batch-invariant
+        kernels are on (they make the shared adapters' matmuls invariant; the rest of this path
+        is by itself)."""
         for hook in ON_BUILD:
             hook()
         self.kernels = resolve_kernels(config)
@@ -319,6 +323,8 @@ class TorchGroupedMLP(MegatronModule):
                 f"TorchGroupedMLP got {' and '.join(given)} (NCCL-EP zero copy): it allocates its "
                 "own outputs, and only TE's op fuser writes into the dispatcher's buffers; set "
                 f"moe_ncclep_zero_copy=False and {_compat.ncclep_dynamic_shape_setting()}.")
+        if self.batch_invariant:
+            _check_batch_invariant_kernels_on()
         hidden, routed = permuted_local_hidden_states, None
         if isinstance(hidden, RoutedTokens):  # FP32CombineMoELayer: the tokens and a row index
             hidden, routed = hidden.tokens, hidden
@@ -425,3 +431,22 @@ class TorchGroupedMLP(MegatronModule):
                 replace_prefix_for_sharding(sub, f"{name}.", f"{prefix}experts.{name}.")
             result.update({f"{prefix}{k}": v for k, v in sub.items()})
         return result
+
+
+def _check_batch_invariant_kernels_on() -> None:
+    """Refuse a batch_invariant_mode=True forward while Megatron's global batch-invariant mode is
+    off: the expert GEMMs and kernels are batch-invariant by themselves, a shared adapter's plain
+    matmul (ours, Megatron-Bridge's) only through the mode's `aten::mm`."""
+    from megatron.core.transformer.custom_layers.batch_invariant_kernels import (
+        is_batch_invariant_mode_enabled,
+    )
+
+    if not is_batch_invariant_mode_enabled():
+        raise TorchExpertsConfigError(
+            "TorchGroupedMLP runs with batch_invariant_mode=True but Megatron's batch-invariant "
+            "kernels are off (is_batch_invariant_mode_enabled() is False), so adapter matmuls and "
+            "the rest of the model are not batch-invariant: turn them on before the forward with "
+            "megatron.core.transformer.custom_layers.batch_invariant_kernels."
+            "set_batch_invariant_mode(True, backend='triton') (Megatron-LM's "
+            "--batch-invariant-mode does it with DeepGEMM's backend), or set "
+            "batch_invariant_mode=False.")

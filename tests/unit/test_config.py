@@ -5,7 +5,6 @@ TorchGroupedMLP is built from a plain TransformerConfig."""
 import pytest
 import torch
 import torch.nn.functional as F
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mcore_torch_experts import (
     TorchExpertsConfigError,
@@ -61,9 +60,6 @@ REFUSALS = [
      "moe_router_padding_for_fp8=True", "Set moe_router_padding_for_fp8=False."),
     ("paged_stash_0_19", dict(moe_paged_stash=True), {}, "moe_paged_stash=True",
      "keeps no paged stash; set moe_paged_stash=False."),
-    ("batch_invariant_0_20", dict(batch_invariant_mode=True), {}, "batch_invariant_mode=True",
-     "TorchGroupedMLP's kernels are not proven batch-invariant yet; set "
-     "batch_invariant_mode=False, or keep moe_expert_gemm_backend='transformer_engine'"),
     ("te_activation_silu_without_glu",
      dict(use_te_activation_func=True, activation_func=F.silu, gated_linear_unit=False), {},
      "use_te_activation_func=True", "with activation_func=silu and gated_linear_unit=False, "
@@ -204,28 +200,6 @@ def test_construction_refuses_a_padded_fp32_combine_before_megatron_checks_it():
             r".*set moe_pad_expert_input_to_capacity=False\.$")):
         TorchExpertsTransformerConfig(**VALID, moe_combine_in_fp32=True,
                                       moe_pad_expert_input_to_capacity=True)
-
-
-@pytest.mark.skipif("batch_invariant_mode" not in TransformerConfig.__dataclass_fields__,
-                    reason="this megatron-core has no batch_invariant_mode field")
-@pytest.mark.parametrize("settings, setting, fix", [
-    (dict(moe_expert_gemm_backend="torch"), "moe_expert_gemm_backend='torch'",
-     "set batch_invariant_mode=False, or keep moe_expert_gemm_backend='transformer_engine'"),
-    (dict(moe_combine_in_fp32=True), "moe_combine_in_fp32=True",
-     "set moe_combine_in_fp32=False (Megatron's batch-invariant combine is FP32 already) or "
-     "batch_invariant_mode=False."),
-], ids=["torch_backend", "fp32_combine"])
-def test_batch_invariant_mode_is_refused_before_megatron_asks_for_deepgemm(settings, setting,
-                                                                            fix):
-    """Megatron 0.20 asserts DeepGEMM's BF16 grouped GEMM for any batch-invariant MoE config
-    (our experts do not use it), earlier releases check attention only; ours refuses first,
-    naming what to change, until the path is proven batch-invariant."""
-    with pytest.raises(TorchExpertsConfigError) as refusal:
-        TorchExpertsTransformerConfig(**VALID, **settings, batch_invariant_mode=True,
-                                      moe_token_dispatcher_type="alltoall")
-    message = str(refusal.value)
-    assert message.startswith(f"{setting} does not support batch_invariant_mode=True: ")
-    assert fix in message
 
 
 def test_fusions_on_the_moe_path_are_not_refused():
