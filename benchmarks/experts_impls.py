@@ -59,7 +59,8 @@ def init_megatron(device: torch.device, seed: int):
     if device.type == "cuda":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-        torch.cuda.set_device(device)
+        # A bare "cuda" device (no index) means the current one; set_device wants an index.
+        torch.cuda.set_device(device if device.index is not None else torch.cuda.current_device())
         model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     return ProcessGroupCollection.use_mpu_process_groups()
