@@ -33,10 +33,11 @@ def base_parser(description: str) -> argparse.ArgumentParser:
 # --- processes ---------------------------------------------------------------------------------
 
 
-def init_processes(device: str) -> torch.device:
+def init_processes(device: str, host_streams: bool = False) -> torch.device:
     """Join the torchrun world: gloo on the CPU, NCCL with one GPU per local rank on CUDA; the
-    patches of support.cpu_support.megatron_patches for this device applied."""
-    apply(megatron_patches(on_cpu=device == "cpu"))
+    patches of support.cpu_support.megatron_patches for this device applied (`host_streams`:
+    the alltoall dispatcher's CUDA streams too, on a CPU-only host)."""
+    apply(megatron_patches(on_cpu=device == "cpu", host_streams=host_streams))
     if device == "cuda":
         local_rank = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local_rank)

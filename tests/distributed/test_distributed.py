@@ -286,3 +286,32 @@ def test_expert_adapters_dist_checkpoint_round_trip_at_ep2(expert_adapters_ep2):
         assert rank["round_trip_equal"], where
         # shared: the same weights on both EP ranks; per expert: each rank its own experts'
         assert set(rank["reloaded_identical"].values()) == {adapter == "shared"}, where
+
+
+@pytest.fixture(scope="module")
+def batch_invariance_ep2(tmp_path_factory):
+    pytest.importorskip("megatron.core.transformer.moe.batch_invariant",
+                        reason="batch-invariant MoE is megatron-core 0.20's (this leg is older)")
+    return torchrun("batch_invariance_ep.py", 2, ["--ep", "2"],
+                    tmp_path_factory.mktemp("batch_invariance"))
+
+
+def test_in_batch_invariant_mode_each_ranks_probe_tokens_are_bitwise_the_same_in_any_batch(
+        batch_invariance_ep2):
+    """megatron-core 0.20's batch_invariant_mode at EP=2 (alltoall dispatcher, its fixed-order
+    unpermute by EP rank then top-k slot, our experts with no adapter, a shared and a per-expert
+    LoRA, Megatron's combine): each rank's probe tokens alone, among 7x others and among 32x
+    others piled onto two experts, the other rank's tokens changing too; outputs and input
+    gradients bit for bit. ETP is left out: the alltoall dispatcher gathers the expert-tensor-
+    parallel rows in uneven sizes, which gloo's all-gather does not take (NCCL does)."""
+    launch = batch_invariance_ep2
+    ranks = launch.results()
+    assert launch.returncode == 0, launch.output[-8000:]
+    for rank in ranks:
+        assert set(rank["differences"]) == {"None", "shared", "per_expert"}, rank
+        for adapter, by_context in rank["differences"].items():
+            control = by_context.pop("control")
+            assert len(by_context) == 3, by_context
+            assert all(diff == [0.0, 0.0] for diff in by_context.values()), (
+                rank["rank"], adapter, by_context)
+            assert min(control) > 0, ("a changed probe value went unseen", adapter, control)

@@ -32,8 +32,8 @@ class Patch:
 def megatron_patches(on_cpu: bool, *, host_streams: bool = False,
                      recompute_without_te: bool = False) -> list:
     """[Patch]: what keeps Megatron-Core running in this process. `on_cpu`: a model on the CPU,
-    on a CPU-only host and on a CUDA host alike. `host_streams` (a CPU-only host, one process):
-    the alltoall dispatcher's CUDA streams. `recompute_without_te`: selective "layernorm"
+    on a CPU-only host and on a CUDA host alike. `host_streams` (a CPU-only host): the alltoall
+    dispatcher's CUDA streams and split sizes. `recompute_without_te`: selective "layernorm"
     recompute without Transformer Engine. Applied for good by `apply` (examples, workers) or,
     undone after each test, by the fixtures of tests/conftest.py."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker, random
@@ -77,6 +77,7 @@ def megatron_patches(on_cpu: bool, *, host_streams: bool = False,
                                  "dist_checkpointing's filesystem writer synchronises CUDA; a "
                                  "CPU-only torch has nothing to wait for"))
     if host_streams and not torch.cuda.is_available():
+        from megatron.core.transformer.moe import token_dispatcher
         from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
         stream = HostStream()
@@ -86,6 +87,19 @@ def megatron_patches(on_cpu: bool, *, host_streams: bool = False,
                     Patch(torch.cuda, "current_stream", lambda *args, **kwargs: stream, reason),
                     Patch(torch.cuda, "stream", lambda s: contextlib.nullcontext(), reason),
                     Patch(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", None, reason)]
+        if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
+            to_host = token_dispatcher.maybe_move_tensor_to_cpu
+
+            def split_sizes_to_host(tensor, as_numpy=False, record_stream=False):
+                if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+                    return tensor.numpy()
+                return to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+            patches.append(Patch(
+                token_dispatcher, "maybe_move_tensor_to_cpu", split_sizes_to_host,
+                "the alltoall dispatcher hands its split sizes to all_to_all_single as numpy "
+                "arrays, converting only CUDA tensors: on a CPU-only host (expert parallel "
+                "under gloo) they stay tensors, which all_to_all_single refuses"))
     if recompute_without_te and not hasattr(random, "FP8GlobalStateManager"):
         reason = ("CheckpointWithoutOutput (selective 'layernorm' recompute) asks TE whether FP8 "
                   "is on even when TE is absent: it answers what TE says without FP8")
