@@ -208,7 +208,7 @@ setup_leg() {  # leg -> makes its environment; returns 2 when its interpreter is
     return 0
   fi
   # Python 3.12: the package and the test dependencies once, megatron-core per leg in its folder.
-  if ! "$venv/bin/python" -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('mcore_torch_experts', 'pytest', 'psutil', 'matplotlib', 'einops', 'yaml', 'omegaconf')))"; then
+  if ! "$venv/bin/python" -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('mcore_torch_experts', 'pytest', 'xdist', 'psutil', 'matplotlib', 'einops', 'yaml', 'omegaconf')))"; then
     echo "[setup $leg] installing mcore_torch_experts and the test dependencies into $venv"
     "$venv/bin/python" -m pip install -q -e ".[test]"
     # megatron-core comes from the leg's folder only, never from the venv.

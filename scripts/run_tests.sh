@@ -20,6 +20,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/legs.sh
 legs=${MCORE_TORCH_EXPERTS_LEGS:-$LEGS_ALL}
+# pytest-xdist workers per leg, one test file each at a time (--dist loadfile: a file's fixtures
+# stay in one process); `-n 0` among the arguments runs the leg in one process.
+workers=${MCORE_TORCH_EXPERTS_WORKERS:-2}
 status=0
 summary=()
 passed=0 failed=0 skipped=0
@@ -72,7 +75,8 @@ for leg in $legs; do
   junit=$(mktemp --suffix .xml)
   rm -f "$junit"
   leg_run "$leg" -c "import megatron.core as m, sys, torch; v = m.__version__; print(f'[leg {v}] python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {v} from {m.__file__}'); sys.exit(v.split('+')[0] != '$leg')" \
-    && leg_run "$leg" -m pytest -q -p no:cacheprovider --durations=10 "$@" --junitxml="$junit"
+    && leg_run "$leg" -m pytest -q -p no:cacheprovider --durations=10 -n "$workers" \
+      --dist loadfile "$@" --junitxml="$junit"
   rc=$?
   line=$(leg_run "$leg" -c "
 import sys, xml.etree.ElementTree as ET
