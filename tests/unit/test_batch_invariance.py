@@ -18,27 +18,25 @@ from mcore_torch_experts import (
     _compat,
 )
 from mcore_torch_experts.config import BATCH_INVARIANT_REQUIREMENTS
+from support.batch_invariance import (
+    CPU_CONTEXTS,
+    EXPERTS,
+    FFN,
+    HIDDEN,
+    RANK,
+    TOP_K,
+    VALID,
+    invariant_settings,
+    moe_layer_in_the_mode,
+    probe_differences,
+    randomize_adapter_outputs,
+)
 from support.reference import make_config
 
 HAS_FIELD = "batch_invariant_mode" in TransformerConfig.__dataclass_fields__
 MOE_MODE = HAS_FIELD and _compat.megatron_core_release() >= (0, 20)
 needs_moe_mode = pytest.mark.skipif(
     not MOE_MODE, reason="batch-invariant MoE is megatron-core 0.20's (this leg is older)")
-
-VALID = dict(num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=4,
-             moe_ffn_hidden_size=32, moe_router_topk=2, moe_grouped_gemm=True,
-             add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16,
-             moe_expert_gemm_backend="torch")
-
-
-def invariant_settings():
-    """What megatron-core 0.20 asks of an MoE config in the mode (but DeepGEMM)."""
-    from megatron.core.transformer.enums import AttnBackend
-
-    return dict(batch_invariant_mode=True, attention_backend=AttnBackend.flash,
-                flash_attention_version=3, attention_dropout=0.0,
-                moe_token_dispatcher_type="alltoall")
-
 
 @needs_moe_mode
 @pytest.mark.parametrize("combine", [{}, dict(moe_combine_in_fp32=True,
@@ -149,81 +147,20 @@ def test_a_forward_in_the_mode_needs_megatrons_batch_invariant_kernels_on(megatr
         assert torch.equal(experts(x, splits, probs)[0], plain(x, splits, probs)[0])
 
 
-# A MoE layer (router, alltoall dispatcher, our experts, either combine) in the mode (on a GPU
-# inside Megatron's batch-invariant kernels); a probe batch of tokens alone, among 7x as many
-# others and among thousands (the others' routing skewed onto two experts in one of them).
-PROBE_TOKENS, HIDDEN, EXPERTS, FFN, TOP_K, RANK = 16, 512, 16, 256, 4, 16
-CONTEXTS = {"alone": (0, False), "among 7x others": (7, False),
-            "among thousands": (256, False), "skewed, thousands": (256, True)}
-CPU_CONTEXTS = {"alone": (0, False), "among 7x others": (7, False),
-                "among a thousand": (64, False), "skewed, a thousand": (64, True)}
-
-
 def moe_layer(combine, adapter, kernel, device):
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
+    """The probe layer with our LoRA (`adapter` None, "shared" or "per_expert") on the experts;
+    without one the experts are frozen."""
     from mcore_torch_experts.lora import apply_lora
-    from mcore_torch_experts.moe_layer import FP32CombineMoELayer
-    from mcore_torch_experts.specs import get_gpt_layer_local_spec
 
-    settings = dict(VALID, hidden_size=HIDDEN, num_moe_experts=EXPERTS,
-                    moe_ffn_hidden_size=FFN, moe_router_topk=TOP_K, moe_aux_loss_coeff=0.0,
-                    gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-                    moe_expert_kernel=kernel, use_cpu_initialization=device == "cpu",
-                    **invariant_settings())
-    if combine == "fp32_triton":
-        settings.update(moe_combine_in_fp32=True, moe_combine_backend="triton")
-    config = TorchExpertsTransformerConfig(**settings)
-    torch.manual_seed(0)
-    spec = get_gpt_layer_local_spec(config).submodules.mlp
-    layer_class = FP32CombineMoELayer if combine == "fp32_triton" else MoELayer
-    layer = _compat.build_moe_layer(_compat.with_moe_layer_class(spec, layer_class), config)
-    layer.to(device)
+    layer = moe_layer_in_the_mode(combine, kernel, device)
     if adapter is not None:   # the expert-linear name rule wants the layer under `mlp`
         apply_lora(torch.nn.ModuleDict({"mlp": layer}), ["linear_fc1", "linear_fc2"], rank=RANK,
                    alpha=2 * RANK, expert_adapter=adapter)
-        with torch.no_grad():
-            for name, p in layer.named_parameters():
-                if "linear_out" in name:
-                    p.normal_(std=0.01)   # B starts at zero: the adapters would add nothing
+        randomize_adapter_outputs(layer)
     else:
         for p in layer.experts.parameters():
             p.requires_grad_(False)
     return layer
-
-
-def probe_batch(others_per_probe, skewed, device):
-    """hidden [S, 1, H] with the probe tokens in the middle, their slice, the output gradient;
-    the probe tokens' values the same in every batch."""
-    probe = torch.Generator().manual_seed(7)
-    probe_x = torch.randn(PROBE_TOKENS, HIDDEN, generator=probe)
-    probe_grad = torch.randn(PROBE_TOKENS, HIDDEN, generator=probe)
-    others = others_per_probe * PROBE_TOKENS
-    gen = torch.Generator().manual_seed(others + skewed)
-    x = torch.randn(others + PROBE_TOKENS, HIDDEN, generator=gen)
-    if skewed:   # the others' hidden states close to one direction: the router piles them up
-        x[:others // 2] = x[:others // 2] * 0.01 + probe_x[0]
-    grad = torch.randn_like(x)
-    at = slice(others // 2, others // 2 + PROBE_TOKENS)
-    x[at], grad[at] = probe_x, probe_grad
-    to = dict(device=device, dtype=torch.bfloat16)
-    return x.unsqueeze(1).to(**to), at, grad.unsqueeze(1).to(**to)
-
-
-def probe_differences(layer, device, contexts=CONTEXTS):
-    """{context: (max |output - alone's|, max |input gradient - alone's|)} of the probe tokens,
-    and the alone run's largest input-gradient entry."""
-    results = {}
-    for context, (others, skewed) in contexts.items():
-        x, at, grad = probe_batch(others, skewed, device)
-        x.requires_grad_(True)
-        out, _ = layer(x)
-        out.backward(grad)
-        results[context] = (out[at].clone(), x.grad[at].clone())
-    alone_out, alone_dx = results["alone"]
-    assert alone_out.abs().sum() > 0 and alone_dx.abs().sum() > 0
-    return {context: ((out - alone_out).abs().max().item(), (dx - alone_dx).abs().max().item())
-            for context, (out, dx) in results.items()}, alone_dx.abs().max().item()
 
 
 @needs_moe_mode
