@@ -219,12 +219,20 @@ setup_leg() {  # leg -> makes its environment; returns 2 when its interpreter is
     rm -rf "$target"
     if [ "$leg" = 0.20.0 ]; then
       echo "[setup $leg] building megatron-core 0.20.0 and megatron-bridge 0.7.0 from $STACK_DIR"
-      local wheels
+      local wheels build_deps
       wheels=$(mktemp -d)
+      build_deps=$(mktemp -d)
       "$venv/bin/python" -m pip wheel -q --no-deps -w "$wheels" "$STACK_DIR/$MCORE_020_ARCHIVE" \
-        "$STACK_DIR/$BRIDGE_070_ARCHIVE" || return 1
+        || return 1
+      # Bridge's build asks for torch (its pyproject.toml's build requirements): in pip's
+      # isolated build environment that is a second torch to install, most of this leg's setup.
+      # Built against the venv's torch instead, with its other build requirements in a folder of
+      # their own (the venv's setuptools stays as it is); the wheel is the same, file for file.
+      "$venv/bin/python" -m pip install -q --target "$build_deps" "setuptools<80" pybind11 wheel \
+        && PYTHONPATH="$build_deps" "$venv/bin/python" -m pip wheel -q --no-deps \
+          --no-build-isolation -w "$wheels" "$STACK_DIR/$BRIDGE_070_ARCHIVE" || return 1
       "$venv/bin/python" -m pip install -q --no-deps --target "$target" "$wheels"/*.whl || return 1
-      rm -rf "$wheels"
+      rm -rf "$wheels" "$build_deps"
       echo "[setup $leg] installing Megatron-Bridge's light dependencies into $venv"
       # shellcheck disable=SC2086
       "$venv/bin/python" -m pip install -q $BRIDGE_LIGHT_DEPS || return 1

@@ -88,6 +88,20 @@ suites = [root] if root.tag == 'testsuite' else list(root.iter('testsuite'))
 n = {k: sum(int(s.get(k, 0)) for s in suites) for k in ('tests', 'failures', 'errors', 'skipped')}
 print(n['tests'] - n['failures'] - n['errors'] - n['skipped'], 'passed,', n['failures'],
       'failed,', n['skipped'], 'skipped,', n['errors'], 'errors')" "$junit")
+  # Where the leg's time went, by test file (setup, call and teardown, from the same XML): what
+  # an xdist worker holds at once, the leg's floor.
+  leg_run "$leg" -c "
+import collections, os, sys, xml.etree.ElementTree as ET
+try:
+    root = ET.parse(sys.argv[1]).getroot()
+except (OSError, ET.ParseError):
+    sys.exit(0)
+seconds = collections.Counter()
+for case in root.iter('testcase'):
+    parts = case.get('classname', '').split('.')   # the module, then a class where there is one
+    files = ['/'.join(parts[:n]) + '.py' for n in range(len(parts), 0, -1)]
+    seconds[next((f for f in files if os.path.isfile(f)), files[0])] += float(case.get('time', 0))
+print('[leg $leg] slowest files:', ', '.join(f'{f} {t:.0f} s' for f, t in seconds.most_common(8)))" "$junit"
   rm -f "$junit"
   for kind in passed failed skipped errors; do
     n=$(grep -oE "[0-9]+ $kind" <<<"$line" | grep -oE "[0-9]+" || true)
