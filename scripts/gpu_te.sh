@@ -15,6 +15,9 @@
 # instead: those in .whl/ are installed into /tmp/site first, and /tmp/te/site (TE installed
 # there) and /tmp/site go on PYTHONPATH, each only where it exists.
 set -uo pipefail
+# torch's deterministic cuBLAS (tests/unit/test_batch_invariance.py's deterministic-algorithms arms) needs
+# the workspace pinned before CUDA starts.
+export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 cd "$(dirname "$0")/.."
 out="${1:?usage: scripts/gpu_te.sh OUT_DIR [pytest arguments]}"
 shift

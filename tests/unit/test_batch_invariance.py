@@ -6,6 +6,7 @@ the MoE layer's output for a batch of probe tokens, alone and among other tokens
 
 import dataclasses
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -210,6 +211,39 @@ def test_probe_tokens_come_out_bitwise_the_same_in_any_batch(megatron_world, com
     # Megatron's mode does not promise to hold: bounded here by two roundings at its largest entry.
     bound = 2 ** -6 * largest_dx
     assert all(dx <= bound for _, dx in differences.values()), (bound, differences)
+
+
+@needs_moe_mode
+@pytest.mark.gpu
+@pytest.mark.te
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
+                    reason="megatron-core 0.20's enable_batch_invariant_mode imports Transformer "
+                    "Engine (ModuleNotFoundError without it): the TE leg runs this")
+@pytest.mark.parametrize("kernel", ["grouped_mm", "fused_gemm"])
+@pytest.mark.parametrize("adapter", [None, "shared", "per_expert"])
+def test_with_deterministic_algorithms_the_input_gradient_is_bitwise_too(megatron_world,
+                                                                         adapter, kernel):
+    """The rounding the input gradient moves by above is the order of atomic adds: Megatron's
+    permute backward adds each token's top-k rows with `index_add`, whose CUDA kernel is atomic
+    unless torch's deterministic algorithms are on. With them on (and cuBLAS's workspace
+    pinned, as torch asks), the probe tokens' input gradient is bitwise the same in any batch."""
+    from megatron.core.transformer.custom_layers.batch_invariant_kernels import (
+        set_batch_invariant_mode,
+    )
+
+    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
+        pytest.skip("torch's deterministic cuBLAS needs CUBLAS_WORKSPACE_CONFIG=:4096:8 set "
+                    "before CUDA starts (scripts/gpu_te.sh sets it)")
+    layer = moe_layer("fp32_triton", adapter, kernel, "cuda")
+    torch.use_deterministic_algorithms(True)
+    try:
+        with set_batch_invariant_mode(True, backend="triton"):
+            differences, _ = probe_differences(layer, "cuda")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    print(f"\n[batch invariance, deterministic algorithms] {adapter} {kernel}: {differences}")
+    assert all(out == 0 and dx == 0 for out, dx in differences.values()), differences
 
 
 @needs_moe_mode

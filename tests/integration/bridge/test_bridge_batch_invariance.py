@@ -38,6 +38,10 @@ def layer_with_bridge_lora(bridge_lora, layout, combine, kernel, device):
     """The probe layer with Bridge's LoRA on the experts' linear_fc1 and linear_fc2 (Bridge
     freezes the rest), adapters' outputs random."""
     layer = moe_layer_in_the_mode(combine, kernel, device)
+    if device == "cuda":   # Bridge's shared adapter initializes on the GPU under Megatron's RNG
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(0)
     root = torch.nn.Module()
     root.mlp = layer   # Bridge's expert rule wants the experts under `mlp.experts`
     bridge_lora(target_modules=["linear_fc1", "linear_fc2"], dim=RANK, alpha=2 * RANK,
