@@ -41,7 +41,7 @@ def build(arm: str, shape, device):
 
     from mcore_torch_experts import TorchExpertsTransformerConfig, _compat
     from mcore_torch_experts.lora import apply_lora
-    from mcore_torch_experts.moe_layer import FP32CombineMoELayer
+    from mcore_torch_experts.megatron.moe_layer import FP32CombineMoELayer
     from mcore_torch_experts.specs import get_gpt_layer_local_spec
 
     experts, hidden, ffn, topk = shape

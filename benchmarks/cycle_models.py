@@ -151,7 +151,7 @@ def build_base(model: ModelSlice, layers: int, config, stack: str, args, device)
     """The slice's model from the stack's specs (experts: TEGroupedMLP on "te", SequentialMLP on
     "local"), with the frozen-input guard on its decoder."""
     from mcore_torch_experts import _compat, build_gpt_model
-    from mcore_torch_experts.recompute import install_frozen_input_guard
+    from mcore_torch_experts.megatron.recompute import install_frozen_input_guard
 
     seed_all(args.seed)
     position = ({"position_embedding_type": "rope", "rotary_base": model.rotary_base}

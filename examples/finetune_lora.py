@@ -36,7 +36,7 @@ from mcore_torch_experts.lora import (
     lora_parameters,
     lora_state_dict,
 )
-from mcore_torch_experts.model import build_gpt_model
+from mcore_torch_experts.megatron.model import build_gpt_model
 from mcore_torch_experts.specs import get_gpt_decoder_block_spec
 from single_process import init_megatron, shutdown_megatron
 

@@ -9,7 +9,6 @@ from .config import (
     validate_fp32_combine_config,
     validate_torch_experts_config,
 )
-from .convert import ConversionSummary, convert_experts_to_torch
 from .experts import TorchGroupedLinear, TorchGroupedMLP
 from .integrations.bridge import check_bridge_peft, merge_bridge_lora, register_with_megatron_bridge
 from .kernels.grouped_gemm import find_grouped_mm, frozen_grouped_linear, group_offsets
@@ -21,9 +20,10 @@ from .lora import (
     lora_sharded_state_dict,
     lora_state_dict,
 )
-from .model import build_gpt_model, build_moe_layer
-from .moe_layer import FP32CombineMoELayer, convert_moe_layers_to_fp32_combine
-from .recompute import install_frozen_input_guard
+from .megatron.convert import ConversionSummary, convert_experts_to_torch
+from .megatron.model import build_gpt_model, build_moe_layer
+from .megatron.moe_layer import FP32CombineMoELayer, convert_moe_layers_to_fp32_combine
+from .megatron.recompute import install_frozen_input_guard
 
 __all__ = [
     "CHUNK_ROWS_ENV",

@@ -15,7 +15,7 @@ source scripts/gpu_env.sh
 gpu_env || exit 1
 status=0
 python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__, torch.cuda.get_device_name())" | tee "$out/checks.log"
-python3 -m pytest -p no:cacheprovider -rs tests/unit/test_gpu.py tests/unit/test_moe_layer.py tests/unit/test_combine.py \
+python3 -m pytest -p no:cacheprovider -rs tests/unit/test_gpu.py tests/unit/megatron/test_moe_layer.py tests/unit/test_combine.py \
   tests/integration/bridge/test_bridge_lora.py tests/unit/test_packing.py tests/unit/kernels/test_fused_experts_triton.py tests/unit/test_flex_contract.py 2>&1 | tee -a "$out/checks.log" || status=1
 (cd examples && python3 -W ignore::UserWarning finetune_lora.py --out-dir /tmp/finetune_lora) \
   2>&1 | tee "$out/finetune_lora.log" || status=1

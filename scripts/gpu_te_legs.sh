@@ -39,11 +39,11 @@ while [ $# -gt 0 ] && [ "$1" != -- ]; do legs+=("$1"); shift; done
 [ "${1:-}" = -- ] && shift
 [ ${#legs[@]} -gt 0 ] || legs=(0.16.1 0.17.1 0.18.2)
 files=("$@")
-[ ${#files[@]} -gt 0 ] || files=(tests/unit/test_te_lora.py tests/unit/test_te_parity.py tests/unit/test_te_convert.py
+[ ${#files[@]} -gt 0 ] || files=(tests/unit/test_te_lora.py tests/unit/test_te_parity.py tests/unit/megatron/test_te_convert.py
   tests/unit/test_te_fusions.py tests/unit/test_te_hybrid.py tests/unit/test_cuda_host.py tests/unit/test_gpu.py
-  tests/unit/test_specs.py tests/unit/test_convert.py tests/unit/test_lora.py tests/unit/test_recompute.py
+  tests/unit/megatron/test_specs.py tests/unit/megatron/test_convert.py tests/unit/test_lora.py tests/unit/megatron/test_recompute.py
   tests/unit/test_hybrid.py tests/unit/test_experts.py tests/unit/test_checkpoint.py
-  tests/unit/test_moe_layer.py)
+  tests/unit/megatron/test_moe_layer.py)
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 # TE installed into /tmp/te/site (a machine without network) goes in front of every leg's path.

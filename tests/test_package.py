@@ -95,7 +95,7 @@ def test_experts_module_imports_no_integration():
     """Nor does any package module that experts.py imports, however far down."""
     integrations = {"integrations", "integrations.automodel", "integrations.bridge",
                     "integrations.bridge_adapters", "integrations.nemo_rl", "lora",
-                    "convert", "upcycling"}
+                    "convert", "upcycling", "megatron.convert", "megatron.upcycling"}
     graph = package_imports()
     reached, todo = set(), ["experts"]
     while todo:
@@ -103,6 +103,24 @@ def test_experts_module_imports_no_integration():
         reached |= new
         todo.extend(new)
     assert not reached & integrations, sorted(reached)
+
+
+# The old paths of the megatron wing's modules, kept importable (with a deprecation warning but
+# specs, the launcher path); each imports its module in the wing only.
+MOVED_TO_THE_WING = {"specs", "moe_layer", "model", "convert", "upcycling", "recompute"}
+
+
+def test_the_core_imports_nothing_of_the_megatron_wing():
+    """The experts, their config, combine, packing, LoRA and kernels stand without the Megatron
+    glue (specs, MoE layer, model builders, conversion, upcycling, recompute); the package's
+    __init__, the integrations and the old paths reach into the wing, nothing else does."""
+    graph = package_imports()
+    wing = {m for m in MODULES if m == "megatron" or m.startswith("megatron.")}
+    assert {f"megatron.{m}" for m in MOVED_TO_THE_WING} <= wing
+    reaching = {m for m, imported in graph.items() if imported & wing} - wing
+    assert reaching - {"__init__"} - MOVED_TO_THE_WING <= {"integrations.nemo_rl"}, reaching
+    for old in MOVED_TO_THE_WING:
+        assert graph[old] == {f"megatron.{old}"}, (old, graph[old])
 
 
 def scaffolding(path: Path) -> list:

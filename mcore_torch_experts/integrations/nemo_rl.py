@@ -26,7 +26,7 @@ from nemo_rl.models.policy.utils import get_runtime_env_for_policy_worker
 from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorkerImpl
 
 from ..errors import TorchExpertsConfigError
-from ..specs import torch_experts_gpt_spec, torch_experts_hybrid_stack_spec
+from ..megatron.specs import torch_experts_gpt_spec, torch_experts_hybrid_stack_spec
 from .bridge import register_with_megatron_bridge
 
 SPEC_FIELDS = ("transformer_layer_spec", "hybrid_stack_spec", "mamba_stack_spec")

@@ -76,7 +76,7 @@ def main():
     from megatron.core.activations import squared_relu
 
     from mcore_torch_experts import apply_lora
-    from mcore_torch_experts.moe_layer import FP32CombineMoELayer
+    from mcore_torch_experts.megatron.moe_layer import FP32CombineMoELayer
 
     world, rank = dist.get_world_size(), dist.get_rank()
     weights = [GlobalWeights.make(SIZES, seed=1234 + i) for i in range(2)]

@@ -139,7 +139,7 @@ def shared_experts_fp32_combine(args, pg, device, overlap, experts="torch"):
     FP32 top-k combine, against the same layer with Megatron's combine: the shared experts' fc2
     runs once per forward in each, and outputs and input gradients agree. `experts` "torch-te":
     the TE spec's layer (TE linears in the shared experts)."""
-    from mcore_torch_experts.moe_layer import FP32CombineMoELayer
+    from mcore_torch_experts.megatron.moe_layer import FP32CombineMoELayer
 
     sizes = CASES["swiglu"]
     weights = GlobalWeights.make(sizes)

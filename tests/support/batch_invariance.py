@@ -35,7 +35,7 @@ def moe_layer_in_the_mode(combine, kernel, device):
     "fp32_triton") in the mode, SwiGLU experts, no adapter, every parameter trainable."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from mcore_torch_experts.moe_layer import FP32CombineMoELayer
+    from mcore_torch_experts.megatron.moe_layer import FP32CombineMoELayer
     from mcore_torch_experts.specs import get_gpt_layer_local_spec
 
     settings = dict(VALID, hidden_size=HIDDEN, num_moe_experts=EXPERTS,

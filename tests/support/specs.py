@@ -8,7 +8,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mcore_torch_experts import _compat
-from mcore_torch_experts.moe_layer import FP32CombineMoELayer
+from mcore_torch_experts.megatron.moe_layer import FP32CombineMoELayer
 from support.tiny_gpt import tiny_config
 
 # Same weights, same math: only the expert GEMM kernels differ (equal on the CPU). Tight enough

@@ -13,7 +13,7 @@ from mcore_torch_experts import (
     validate_fp32_combine_config,
     validate_torch_experts_config,
 )
-from mcore_torch_experts.specs import torch_experts_spec
+from mcore_torch_experts.megatron.specs import torch_experts_spec
 from support.reference import make_config
 
 VALID = dict(num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=4,

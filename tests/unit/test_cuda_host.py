@@ -16,8 +16,8 @@ import torch
 
 TESTS = Path(__file__).parent
 FIRST_HIT = [
-    "test_specs.py::test_partial_moe_spec_gets_torch_experts_without_touching_the_original",
-    "test_convert.py::test_conversion_keeps_outputs_weights_and_sharded_keys",
+    "megatron/test_specs.py::test_partial_moe_spec_gets_torch_experts_without_touching_the_original",
+    "megatron/test_convert.py::test_conversion_keeps_outputs_weights_and_sharded_keys",
 ]
 
 

@@ -16,7 +16,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mcore_torch_experts import TorchGroupedMLP, _compat, specs
 from mcore_torch_experts.lora import apply_lora, lora_parameters
-from mcore_torch_experts.recompute import install_frozen_input_guard
+from mcore_torch_experts.megatron.recompute import install_frozen_input_guard
 from support.tiny_gpt import HYBRID_PATTERN as PATTERN
 from support.tiny_gpt import LORA_TARGETS as TARGETS
 from support.tiny_gpt import (
@@ -30,7 +30,7 @@ from support.tiny_gpt import (
     tiny_config,
 )
 
-LOGITS_TOL, GRAD_TOL = 1e-3, 1e-2  # as tests/unit/test_specs.py: same weights, same math
+LOGITS_TOL, GRAD_TOL = 1e-3, 1e-2  # as tests/unit/megatron/test_specs.py: same weights, same math
 
 @pytest.fixture
 def local_final_norm(monkeypatch):

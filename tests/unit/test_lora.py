@@ -17,7 +17,7 @@ from mcore_torch_experts.lora import (
     lora_parameters,
     lora_state_dict,
 )
-from mcore_torch_experts.model import build_gpt_model
+from mcore_torch_experts.megatron.model import build_gpt_model
 from support.reference import make_config, rel_err
 from support.torchrun import ROOT, torchrun
 

@@ -10,7 +10,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from mcore_torch_experts import _compat
 from mcore_torch_experts.combine import CombineOptions
-from mcore_torch_experts.moe_layer import FP32CombineMoELayer
+from mcore_torch_experts.megatron.moe_layer import FP32CombineMoELayer
 from mcore_torch_experts.routed_tokens import RoutedTokens, sum_rows_by_token
 from mcore_torch_experts.specs import get_gpt_layer_local_spec
 from support.reference import fp64_experts, make_config, rel_err

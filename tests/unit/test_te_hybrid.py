@@ -10,7 +10,7 @@ import torch
 
 from mcore_torch_experts import TorchGroupedMLP, specs
 from mcore_torch_experts.lora import apply_lora, lora_parameters
-from mcore_torch_experts.recompute import install_frozen_input_guard
+from mcore_torch_experts.megatron.recompute import install_frozen_input_guard
 from support.reference import rel_err
 from support.te import needs_te, te_config
 from support.tiny_gpt import HYBRID_PATTERN as PATTERN

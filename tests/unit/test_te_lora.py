@@ -117,7 +117,7 @@ def test_every_te_linear_gets_a_working_adapter(te_world, expert_adapter,
 def test_te_model_with_adapters_trains_every_adapter_under_full_recompute(te_world):
     """The whole TE-spec model with the frozen-input guard: under full recompute (uniform and
     block) the loss and every adapter's gradient are those of the run without recompute."""
-    from mcore_torch_experts.recompute import install_frozen_input_guard
+    from mcore_torch_experts.megatron.recompute import install_frozen_input_guard
     from support.tiny_gpt import batch
 
     def adapter_grads(**recompute):

@@ -179,7 +179,7 @@ def bridge_lora_model(lora_class, backend, share_expert_adapters, adapters=None)
     attention and experts, under full uniform recompute with Bridge's recompute hook (its PEFT
     call installs it) and the frozen-input guard. Adapter weights: `adapters` (by name) or
     random (Bridge starts B at zero)."""
-    from mcore_torch_experts.recompute import install_frozen_input_guard
+    from mcore_torch_experts.megatron.recompute import install_frozen_input_guard
 
     model = te_gpt(te_config(recompute_granularity="full", recompute_method="uniform",
                              recompute_num_layers=1))  # TEGroupedMLP, seeded

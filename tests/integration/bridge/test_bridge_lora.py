@@ -429,8 +429,8 @@ def test_merge_folds_expert_adapters_into_the_packed_weights(bridge, megatron_wo
 @pytest.mark.parametrize("method", ["uniform", "block"])
 def test_full_recompute_with_both_guards_trains_every_adapter(bridge, megatron_cpu_training, method,
                                                               layout):
-    from mcore_torch_experts.model import build_gpt_model
-    from mcore_torch_experts.recompute import _ORIGINAL_FORWARD
+    from mcore_torch_experts.megatron.model import build_gpt_model
+    from mcore_torch_experts.megatron.recompute import _ORIGINAL_FORWARD
 
     grads = []
     for recompute in (None, method):

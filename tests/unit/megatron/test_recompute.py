@@ -15,8 +15,8 @@ from megatron.core.models.gpt import GPTModel
 
 from mcore_torch_experts import TorchExpertsTransformerConfig
 from mcore_torch_experts.lora import apply_lora, lora_parameters
-from mcore_torch_experts.model import build_gpt_model
-from mcore_torch_experts.recompute import _ORIGINAL_FORWARD, install_frozen_input_guard
+from mcore_torch_experts.megatron.model import build_gpt_model
+from mcore_torch_experts.megatron.recompute import _ORIGINAL_FORWARD, install_frozen_input_guard
 from mcore_torch_experts.specs import get_gpt_decoder_block_spec
 from support.tiny_gpt import LORA_TARGETS as TARGETS
 from support.tiny_gpt import SEQ, VOCAB, fp32_moe_config, lm_batch

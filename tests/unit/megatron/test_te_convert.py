@@ -9,7 +9,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from mcore_torch_experts import TorchGroupedMLP
-from mcore_torch_experts.convert import convert_experts_to_torch
+from mcore_torch_experts.megatron.convert import convert_experts_to_torch
 from support.reference import rel_err
 from support.te import needs_te, te_config, te_gpt
 from support.tiny_gpt import (

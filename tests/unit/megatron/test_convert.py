@@ -15,8 +15,8 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from mcore_torch_experts import TorchExpertsConfigError, TorchGroupedMLP, _compat
-from mcore_torch_experts.convert import ConversionSummary, convert_experts_to_torch
 from mcore_torch_experts.lora import apply_lora, lora_parameters
+from mcore_torch_experts.megatron.convert import ConversionSummary, convert_experts_to_torch
 from support.reference import rel_err
 from support.tiny_gpt import (
     BYTES_PER_LAYER,

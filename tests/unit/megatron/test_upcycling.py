@@ -8,12 +8,12 @@ from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.moe import upcycling_utils
 
 from mcore_torch_experts import TorchGroupedMLP
-from mcore_torch_experts.specs import get_gpt_decoder_block_spec
-from mcore_torch_experts.upcycling import (
+from mcore_torch_experts.megatron.upcycling import (
     load_and_upcycle_model,
     torch_experts_upcycling,
     upcycle_state_dict,
 )
+from mcore_torch_experts.specs import get_gpt_decoder_block_spec
 from support.tiny_gpt import batch, gpt, sequential_to_grouped, tiny_config
 
 DENSE_FFN, NUM_EXPERTS, LAYERS = 128, 4, 2

@@ -10,9 +10,9 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import build_module
 
 from mcore_torch_experts import _compat
-from mcore_torch_experts import moe_layer as moe_layer_module
 from mcore_torch_experts.combine import fp32_combine
-from mcore_torch_experts.moe_layer import FP32CombineMoELayer
+from mcore_torch_experts.megatron import moe_layer as moe_layer_module
+from mcore_torch_experts.megatron.moe_layer import FP32CombineMoELayer
 from mcore_torch_experts.specs import get_gpt_layer_local_spec
 from support.reference import make_config, rel_err
 

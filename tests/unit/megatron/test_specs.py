@@ -18,7 +18,8 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from mcore_torch_experts import TorchExpertsConfigError, TorchGroupedMLP, _compat, specs
+from mcore_torch_experts import TorchExpertsConfigError, TorchGroupedMLP, _compat
+from mcore_torch_experts.megatron import specs
 from support.reference import rel_err
 from support.specs import (
     GRAD_TOL,
@@ -254,3 +255,31 @@ def test_layer_spec_arguments_override_the_config_settings():
     attention = specs.get_gpt_layer_local_spec(config, qk_layernorm=True).submodules.self_attention
     assert attention.submodules.q_layernorm is not IdentityOp
     assert attention.submodules.k_layernorm is not IdentityOp
+
+
+def test_the_launcher_path_serves_every_spec_under_the_name_checkpoints_record():
+    """mcore_torch_experts.specs, the path Megatron-LM's --spec names and Bridge's run_config.yaml
+    records (from each function's __module__), serves every documented spec of the wing's module,
+    without a deprecation warning; the other old paths warn, naming the new one."""
+    import importlib
+    import sys
+    import warnings
+
+    import mcore_torch_experts.specs as launcher_path
+
+    for name in specs.__all__:
+        function = getattr(launcher_path, name)
+        assert function is getattr(specs, name)
+        assert f"{function.__module__}.{function.__qualname__}" == f"mcore_torch_experts.specs.{name}"
+    for old in ("moe_layer", "model", "convert", "upcycling", "recompute"):
+        sys.modules.pop(f"mcore_torch_experts.{old}", None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = importlib.import_module(f"mcore_torch_experts.{old}")
+        assert [str(w.message) for w in caught if w.category is DeprecationWarning] == [
+            f"mcore_torch_experts.{old} moved to mcore_torch_experts.megatron.{old}: import it "
+            "from there."], old
+        new = importlib.import_module(f"mcore_torch_experts.megatron.{old}")
+        public = [n for n in vars(new) if not n.startswith("_")
+                  and getattr(vars(new)[n], "__module__", None) == new.__name__]
+        assert public and all(getattr(module, n) is getattr(new, n) for n in public), old
