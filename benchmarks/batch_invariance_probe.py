@@ -160,7 +160,6 @@ def grouped_path(b, w1, w2, shape, lora):
 def fused(adapter):
     def run(b, w1, w2, shape, lora):
         from mcore_torch_experts.kernels.fused_experts import LoRATerm, fused_experts
-        from mcore_torch_experts.kernels.grouped_gemm import find_grouped_mm
 
         config = SimpleNamespace(activation_func=activation(shape), gated_linear_unit=shape[4],
                                  glu_linear_offset=0.0, activation_func_clamp_value=None)
@@ -170,7 +169,7 @@ def fused(adapter):
                               2.0) for a, bb in lora[adapter]]
         x = b.rows.clone().requires_grad_(True)
         probs = b.probs.clone().requires_grad_(True)
-        y = fused_experts(config, x, probs, w1, w2, b.offs, find_grouped_mm().fn, *terms)
+        y = fused_experts(config, x, probs, w1, w2, b.offs, *terms)
         y.backward(b.grad_rows)
         return {"out": y[b.probe_rows], "d x": x.grad[b.probe_rows],
                 "d probs": probs.grad[b.probe_rows]}

@@ -120,7 +120,6 @@ def autograd_arm(problem, fn):
 def fused_arm(problem):
     from megatron.core.activations import squared_relu
 
-    from mcore_torch_experts import find_grouped_mm
     from mcore_torch_experts.kernels.fused_experts import fused_experts
 
     class Config:
@@ -128,11 +127,9 @@ def fused_arm(problem):
         gated_linear_unit, glu_linear_offset = problem.glu, 0.0
         activation_func_clamp_value = None
 
-    grouped_mm = find_grouped_mm().fn
-
     def run(x, probs):
         return fused_experts(Config, x[problem.index], probs, problem.w1, problem.w2,
-                             problem.offs, grouped_mm)
+                             problem.offs)
     return autograd_arm(problem, run)
 
 

@@ -120,8 +120,9 @@ class TorchGroupedLinear(PackedExpertWeights):
         # and fc2 as row-parallel, as they do TE's grouped linears by class name.
         self.tensor_model_parallel = True
         self.partition_dim = partition_dim
-        entry = find_grouped_mm()
-        self.grouped_mm_name, self._grouped_mm = entry.name, entry.fn
+        # Refused here, naming the fix, where torch has no grouped GEMM; calls go through the
+        # kernels' one seam (kernels.grouped_gemm.grouped_mm).
+        self.grouped_mm_name = find_grouped_mm().name
         self._register_load_state_dict_pre_hook(self._drop_per_expert_extra_states)
         expert_parallel = config.expert_model_parallel_size > 1
         for weight in self.expert_weights():
@@ -159,7 +160,7 @@ class TorchGroupedLinear(PackedExpertWeights):
 
     def forward(self, x: torch.Tensor, tokens_per_expert: Splits):
         weight, offs = self.weight_and_offsets(x, tokens_per_expert)
-        return frozen_grouped_linear(x, weight, offs, self._grouped_mm), None
+        return frozen_grouped_linear(x, weight, offs), None
 
     def weight_and_offsets(self, x: torch.Tensor, tokens_per_expert: Splits,
                            num_rows: Optional[int] = None):
@@ -389,8 +390,8 @@ class TorchGroupedMLP(MegatronModule):
         w1, offs = fc1.weight_and_offsets(hidden, tokens_per_expert,
                                           None if routed is None else routed.num_rows)
         w2 = fc2.packed(refuse_trainable=torch.is_grad_enabled())
-        return fused_experts(self.config, hidden, permuted_probs, w1, w2, offs, fc1._grouped_mm,
-                             *terms, routed=routed)
+        return fused_experts(self.config, hidden, permuted_probs, w1, w2, offs, *terms,
+                             routed=routed)
 
     def _runs_fused_gemm(self, hidden: torch.Tensor) -> bool:
         """Whether this call takes the fused GEMM path (kernels.choice.fused_gemm_obstacle); a

@@ -54,6 +54,7 @@ from megatron.core.transformer.utils import (
 )
 from megatron.core.utils import get_pg_rank, get_pg_size
 
+from .kernels import grouped_gemm
 from .kernels.choice import ADAPTER_READERS, FusedAdapter, hooked
 from .kernels.grouped_gemm import Splits, find_grouped_mm, group_offsets
 
@@ -120,14 +121,14 @@ class PerExpertLoRAAdapter(torch.nn.Module):
         self.linear_in, self.linear_out = _lora_factors((num_experts,), in_features,
                                                         out_features, rank, dtype, device)
         self.dropout = _dropout(dropout)
-        self._grouped_mm = find_grouped_mm().fn
+        find_grouped_mm()   # refused here where torch has no grouped GEMM
 
     def forward(self, x: torch.Tensor, tokens_per_expert: Splits) -> torch.Tensor:
         offs = group_offsets(tokens_per_expert, self.num_experts, x.shape[0], x.device)
         a = self.linear_in.weight.to(x.dtype).transpose(1, 2)  # [E, in, r]
         b = self.linear_out.weight.to(x.dtype).transpose(1, 2)  # [E, r, out]
-        h = self._grouped_mm(self.dropout(x).contiguous(), a, offs=offs)  # 16-byte strides
-        return self._grouped_mm(h, b, offs=offs) * self.scale
+        h = grouped_gemm.grouped_mm(self.dropout(x).contiguous(), a, offs=offs)  # 16-byte strides
+        return grouped_gemm.grouped_mm(h, b, offs=offs) * self.scale
 
 
 class LoRALinear(torch.nn.Module):

@@ -18,6 +18,7 @@ from megatron.core.utils import get_pg_size
 
 from .. import experts
 from ..experts import TorchGroupedLinear
+from ..kernels import grouped_gemm
 from ..kernels.choice import FusedAdapter, hooked
 from ..kernels.grouped_gemm import Splits, group_offsets
 
@@ -123,10 +124,10 @@ def grouped_expert_adapter_forward(adapter, base: TorchGroupedLinear, x: torch.T
     if offload:
         grouped_input.activation_offloading = True
     offs = _offsets(splits, base.num_experts, x)
-    hidden = adapter.activation(base._grouped_mm(grouped_input, a.transpose(1, 2), offs=offs))
+    hidden = adapter.activation(grouped_gemm.grouped_mm(grouped_input, a.transpose(1, 2), offs=offs))
     if offload:
         hidden.activation_offloading = True
-    out = base._grouped_mm(hidden, b.transpose(1, 2), offs=offs)
+    out = grouped_gemm.grouped_mm(hidden, b.transpose(1, 2), offs=offs)
     if adapter.dropout_position == "post":
         out = adapter.dropout(out)
     return out * scale

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import grouped_gemm
 from .choice import KERNEL_ACTIVATIONS
 from .fused_experts_triton import fc1_activation, fc2_dgrad_activation
 
@@ -55,7 +56,7 @@ def check_lora(term: LoRATerm, name: str, num_experts: int, in_features: int,
 # Small GEMMs of the adapter term, outside the kernels: shared factors are plain matmuls over all
 # rows, per-expert ones grouped GEMMs over the same offsets (16-byte strides: r a multiple of 8).
 
-def _rows_times(x, w, offs, grouped_mm, transpose):
+def _rows_times(x, w, offs, transpose):
     """x [T, k] times w [k', n'] (or w[e] for expert e's rows, w [E, k', n']), w transposed
     first when `transpose` -> [T, n]."""
     if w.dim() == 2:
@@ -63,26 +64,26 @@ def _rows_times(x, w, offs, grouped_mm, transpose):
     width = w.shape[1] if transpose else w.shape[2]
     if x.shape[0] == 0:
         return x.new_zeros(0, width)
-    return grouped_mm(x.contiguous(), w.transpose(1, 2) if transpose else w, offs=offs)
+    return grouped_gemm.grouped_mm(x.contiguous(), w.transpose(1, 2) if transpose else w, offs=offs)
 
 
-def _factor_grad(left, right, offs, grouped_mm, num_experts: int, per_expert: bool):
+def _factor_grad(left, right, offs, num_experts: int, per_expert: bool):
     """left [T, p], right [T, q] -> left.T @ right [p, q], or per expert [E, p, q] over the
     experts' rows (zero for an expert without rows)."""
     if not per_expert:
         return left.t() @ right
     if left.shape[0] == 0:
         return left.new_zeros(num_experts, left.shape[1], right.shape[1])
-    return grouped_mm(left.t(), right.contiguous(), offs=offs)
+    return grouped_gemm.grouped_mm(left.t(), right.contiguous(), offs=offs)
 
 
 class KernelArgs(NamedTuple):
-    """The fused Functions' non-tensor arguments, as one tuple: the grouped GEMM entry point,
-    the activation (kernels.choice.KERNEL_ACTIVATIONS), whether it is gated, the gated linear
-    unit's offset and clamp, fc2's adapter scale (alpha / r; 1.0 without an adapter), and the
-    RoutedTokens whose tokens fc1 reads (None: its input is the rows)."""
+    """The fused Functions' non-tensor arguments, as one tuple: the activation
+    (kernels.choice.KERNEL_ACTIVATIONS), whether it is gated, the gated linear unit's offset and
+    clamp, fc2's adapter scale (alpha / r; 1.0 without an adapter), and the RoutedTokens whose
+    tokens fc1 reads (None: its input is the rows). Every grouped GEMM goes through
+    kernels.grouped_gemm.grouped_mm."""
 
-    grouped_mm: object
     act: str
     glu: bool
     offset: float
@@ -96,7 +97,7 @@ class KernelArgs(NamedTuple):
         return self.act, self.glu, self.offset, self.clamp
 
 
-def lora_down(x, term: LoRATerm, offs, grouped_mm, routed=None):
+def lora_down(x, term: LoRATerm, offs, routed=None):
     """scale * x @ A.T [T, r] (per expert: A[e] for expert e's rows), through autograd (the
     adapter's A and x get their gradients from it). With `routed` (x its tokens): the rows'
     [N, r], shared factors applied to the tokens before the gather (A's gradient reads the
@@ -104,14 +105,15 @@ def lora_down(x, term: LoRATerm, offs, grouped_mm, routed=None):
     rows are a copy already)."""
     if routed is not None:
         if term.per_expert:
-            return lora_down(routed.rows(), term, offs, grouped_mm)
+            return lora_down(routed.rows(), term, offs)
         if term.a.requires_grad and torch.is_grad_enabled():
             x = routed.tokens_to_save()
         return routed.rows(torch.nn.functional.linear(x, term.a) * term.scale)
     if term.per_expert:
         if x.shape[0] == 0:
             return (x @ term.a[0].t()) * term.scale  # [0, r], still connected to A
-        return grouped_mm(x.contiguous(), term.a.transpose(1, 2), offs=offs) * term.scale
+        return grouped_gemm.grouped_mm(x.contiguous(), term.a.transpose(1, 2),
+                                       offs=offs) * term.scale
     return torch.nn.functional.linear(x, term.a) * term.scale
 
 
@@ -135,7 +137,6 @@ class Fc1Activation(torch.autograd.Function):
                               lb if lb is not None and wants_dxa else None,
                               None if routed is None else routed.token_ids)
         ctx.per_expert = lb is not None and lb.dim() == 3
-        ctx.grouped_mm = args.grouped_mm
         ctx.sum_rows = None if routed is None else routed.row_sum()
         inter, h = fc1_activation(x.contiguous(), w1, offs, probs.contiguous(), *args.activation,
                                   save_h=True, xa=xa, lb=lb,
@@ -154,28 +155,28 @@ class Fc1Activation(torch.autograd.Function):
             if grad_h.shape[0] == 0:
                 dx = grad_h.new_zeros(0, w1.shape[2])
             else:
-                dx = ctx.grouped_mm(grad_h, w1, offs=offs)
+                dx = grouped_gemm.grouped_mm(grad_h, w1, offs=offs)
             if token_ids is not None:
                 dx = ctx.sum_rows(dx, token_ids)
         dxa = dlb = None
         if lb is not None:  # saved only when xa needs its gradient
-            dxa = _rows_times(grad_h, lb, offs, ctx.grouped_mm, transpose=False)
+            dxa = _rows_times(grad_h, lb, offs, transpose=False)
         if xa is not None:  # saved only when lb needs its gradient
-            dlb = _factor_grad(grad_h, xa, offs, ctx.grouped_mm, w1.shape[0], ctx.per_expert)
+            dlb = _factor_grad(grad_h, xa, offs, w1.shape[0], ctx.per_expert)
         return dx, None, None, None, dxa, dlb, None
 
 
-def fc2_forward(inter, w2, offs, grouped_mm, term=None):
+def fc2_forward(inter, w2, offs, term=None):
     """inter [T, F] -> (inter @ w2[e].T [T, H], xr): with an adapter, plus xr @ B.T where
     xr = scale * inter @ A.T [T, r] (per expert: A[e], B[e]); xr None without one."""
     if inter.shape[0] == 0:
         out = inter.new_empty(0, w2.shape[1])
     else:
-        out = grouped_mm(inter, w2.transpose(1, 2), offs=offs)
+        out = grouped_gemm.grouped_mm(inter, w2.transpose(1, 2), offs=offs)
     if term is None:
         return out, None
-    xr = _rows_times(inter, term.a, offs, grouped_mm, transpose=True) * term.scale
-    return out + _rows_times(xr, term.b, offs, grouped_mm, transpose=True), xr
+    xr = _rows_times(inter, term.a, offs, transpose=True) * term.scale
+    return out + _rows_times(xr, term.b, offs, transpose=True), xr
 
 
 class Fc2AfterActivation(torch.autograd.Function):
@@ -193,7 +194,7 @@ class Fc2AfterActivation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inter, h, probs, w2, offs, la, lb, args: KernelArgs):
         term = None if la is None else LoRATerm(la, lb, args.scale)
-        out, xr = fc2_forward(inter, w2, offs, args.grouped_mm, term)
+        out, xr = fc2_forward(inter, w2, offs, term)
         wants_dla, wants_dlb = ctx.needs_input_grad[5:7]
         ctx.save_for_backward(h, probs, w2, offs, la, lb,
                               inter if term is not None and wants_dla else None,
@@ -208,7 +209,7 @@ class Fc2AfterActivation(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         gb = None
         if la is not None:
-            gb = _rows_times(grad_out, lb, offs, args.grouped_mm, transpose=False) * args.scale
+            gb = _rows_times(grad_out, lb, offs, transpose=False) * args.scale
         dh, dprobs = fc2_dgrad_activation(grad_out, w2, offs, probs.contiguous(), h,
                                           *args.activation, want_dprobs=ctx.needs_input_grad[2],
                                           gb=gb, la=la)
@@ -217,20 +218,19 @@ class Fc2AfterActivation(torch.autograd.Function):
         dla = dlb = None
         per_expert = la is not None and la.dim() == 3
         if inter is not None:
-            dla = _factor_grad(gb, inter, offs, args.grouped_mm, w2.shape[0], per_expert)
+            dla = _factor_grad(gb, inter, offs, w2.shape[0], per_expert)
         if xr is not None:
-            dlb = _factor_grad(grad_out, xr, offs, args.grouped_mm, w2.shape[0], per_expert)
+            dlb = _factor_grad(grad_out, xr, offs, w2.shape[0], per_expert)
         return None, dh, dprobs, None, None, dla, dlb, None
 
 
-def fused_experts(config, x, probs, w1, w2, offs, grouped_mm, fc1_lora=None, fc2_lora=None,
-                  routed=None):
+def fused_experts(config, x, probs, w1, w2, offs, fc1_lora=None, fc2_lora=None, routed=None):
     """TorchGroupedMLP's forward through the fused kernels: x [T, H], probs [T] -> [T, H].
 
     fc1_lora / fc2_lora: the LoRATerm of an adapter on linear_fc1 / linear_fc2, or None.
     routed: a RoutedTokens whose tokens are x; then probs and the output have its N rows."""
     clamp = config.activation_func_clamp_value if config.gated_linear_unit else None
-    args = KernelArgs(grouped_mm, KERNEL_ACTIVATIONS[config.activation_func],
+    args = KernelArgs(KERNEL_ACTIVATIONS[config.activation_func],
                       bool(config.gated_linear_unit), float(config.glu_linear_offset),
                       None if clamp is None else float(clamp),
                       1.0 if fc2_lora is None else fc2_lora.scale, routed)
@@ -239,13 +239,13 @@ def fused_experts(config, x, probs, w1, w2, offs, grouped_mm, fc1_lora=None, fc2
     trains = any(t.requires_grad for t in (x, probs, *adapter_tensors))
     if not (torch.is_grad_enabled() and trains):
         with torch.no_grad():
-            xa = None if fc1_lora is None else lora_down(x, fc1_lora, offs, grouped_mm, routed)
+            xa = None if fc1_lora is None else lora_down(x, fc1_lora, offs, routed)
             inter, _ = fc1_activation(x.contiguous(), w1, offs, probs.contiguous(),
                                       *args.activation, save_h=False, xa=xa,
                                       lb=None if fc1_lora is None else fc1_lora.b,
                                       token_ids=None if routed is None else routed.token_ids)
-            return fc2_forward(inter, w2, offs, grouped_mm, fc2_lora)[0]
-    xa = None if fc1_lora is None else lora_down(x, fc1_lora, offs, grouped_mm, routed)
+            return fc2_forward(inter, w2, offs, fc2_lora)[0]
+    xa = None if fc1_lora is None else lora_down(x, fc1_lora, offs, routed)
     inter, h = Fc1Activation.apply(x, probs, w1, offs, xa,
                                    None if fc1_lora is None else fc1_lora.b, args)
     la, lb = (None, None) if fc2_lora is None else fc2_lora[:2]

@@ -2,11 +2,14 @@
 
 `grouped_mm(a [T, K], b [E, K, N], offs=int32 [E] cumulative row ends) -> [T, N]` runs every
 expert's rows against its own weight in one launch. The fast path wants bf16 on sm90/sm100;
-anything else is a loop inside torch.
+anything else is a loop inside torch. It is the package's one grouped-GEMM seam: the experts, the
+adapters and the fused path all call this module's `grouped_mm`, so replacing that attribute
+swaps every grouped GEMM at once.
 """
 
+import functools
 import numbers
-from typing import Callable, NamedTuple, Optional, Sequence, Union
+from typing import Callable, NamedTuple, Sequence, Union
 
 import torch
 
@@ -33,6 +36,17 @@ def find_grouped_mm() -> GroupedMMEntryPoint:
         "torch._grouped_mm; moe_expert_gemm_backend='torch' needs torch >= 2.9. Upgrade torch "
         "or set moe_expert_gemm_backend='transformer_engine'."
     )
+
+
+@functools.cache
+def _entry_point() -> GroupedMMEntryPoint:
+    return find_grouped_mm()
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """a [T, K] @ b[e] [K, N] for expert e's rows -> [T, N]; offs int32 [E] cumulative row ends.
+    Through find_grouped_mm()'s entry point, found on the first call."""
+    return _entry_point().fn(a, b, offs=offs)
 
 
 def group_offsets(tokens_per_expert: Splits, num_groups: int, num_rows: int,
@@ -97,10 +111,8 @@ class FrozenGroupedLinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
-                grouped_mm: Callable) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(weight, offs)
-        ctx.grouped_mm = grouped_mm
         if x.shape[0] == 0:
             return x.new_empty(0, weight.shape[1])
         # Grouped GEMM takes 16-byte strides only; any layout (column-major, say) is made so.
@@ -110,14 +122,13 @@ class FrozenGroupedLinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         weight, offs = ctx.saved_tensors
         if grad_out.shape[0] == 0:
-            return grad_out.new_zeros(0, weight.shape[2]), None, None, None
+            return grad_out.new_zeros(0, weight.shape[2]), None, None
         # A stride-0 gradient (from `.sum().backward()`) is rejected by grouped GEMM.
-        grad_in = ctx.grouped_mm(grad_out.contiguous(), weight, offs=offs)
-        return grad_in, None, None, None
+        grad_in = grouped_mm(grad_out.contiguous(), weight, offs=offs)
+        return grad_in, None, None
 
 
-def frozen_grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
-                          grouped_mm: Optional[Callable] = None) -> torch.Tensor:
+def frozen_grouped_linear(x: torch.Tensor, weight: torch.Tensor,
+                          offs: torch.Tensor) -> torch.Tensor:
     """x [T, in], weight [E, out, in] (frozen), offs int32 [E] -> [T, out]."""
-    fn = grouped_mm if grouped_mm is not None else find_grouped_mm().fn
-    return FrozenGroupedLinearFunction.apply(x, weight, offs, fn)
+    return FrozenGroupedLinearFunction.apply(x, weight, offs)

@@ -205,9 +205,19 @@ def test_base_weights_made_trainable_after_the_build_are_refused_under_grad_mode
     assert out.shape == (4, HIDDEN)
 
 
+@pytest.fixture
+def fresh_entry_point():
+    """The seam's entry point found anew in the test, and again after it."""
+    grouped_gemm._entry_point.cache_clear()
+    yield
+    grouped_gemm._entry_point.cache_clear()
+
+
 @pytest.mark.parametrize("available", ["both", "private_only"])
-def test_both_grouped_gemm_entry_points(megatron_cpu, monkeypatch, available):
-    """The public entry point is preferred; with it hidden the private one runs. Same answer."""
+def test_both_grouped_gemm_entry_points(megatron_cpu, monkeypatch, fresh_entry_point, available):
+    """The public entry point is preferred; with it hidden the private one runs. Same answer.
+    (The seam, kernels.grouped_gemm.grouped_mm, finds its entry point once per process: the test
+    has it found again here, and again after.)"""
     calls = []
     if available == "both":
         owner, name, expected = torch.nn.functional, "grouped_mm", "torch.nn.functional.grouped_mm"

@@ -396,7 +396,7 @@ def test_auto_kernel_choice_with_our_adapters(megatron_world, monkeypatch, kind)
     sm90 = torch.cuda.get_device_capability() == (9, 0)
     real, calls = fused_module.fused_experts, []
     monkeypatch.setattr(fused_module, "fused_experts",
-                        lambda *args, **kwargs: calls.append(args[7:]) or real(*args, **kwargs))
+                        lambda *args, **kwargs: calls.append(args[6:]) or real(*args, **kwargs))
     for case, fused_here in (("squared_relu", sm90), ("swiglu", False)):
         _, experts, _ = build_pair(megatron_world, **FUSED_CASES[case])
         adapters = _install_lora(experts, kind)

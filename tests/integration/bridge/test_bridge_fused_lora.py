@@ -106,7 +106,7 @@ def check_bridge_adapters_run_in_the_kernels(bridge, pg, layout, monkeypatch, de
     calls, adapter_calls = [], []
     real = fused_module.fused_experts
     monkeypatch.setattr(fused_module, "fused_experts",
-                        lambda *args, **kwargs: calls.append(args[7:]) or real(*args, **kwargs))
+                        lambda *args, **kwargs: calls.append(args[6:]) or real(*args, **kwargs))
     for linear in (experts.linear_fc1, experts.linear_fc2):
         monkeypatch.setattr(linear.adapter, "forward", lambda *a, f=linear.adapter.forward, **k:
                             adapter_calls.append(1) or f(*a, **k))
@@ -167,7 +167,7 @@ def test_a_disabled_bridge_adapter_adds_no_term(bridge, megatron_cpu, monkeypatc
         calls = []
         real = fused_module.fused_experts
         monkeypatch.setattr(fused_module, "fused_experts",
-                            lambda *args, **kwargs: calls.append(args[7:]) or real(*args, **kwargs))
+                            lambda *args, **kwargs: calls.append(args[6:]) or real(*args, **kwargs))
         disabled = experts(x, torch.tensor(SPLITS), probs)[0]
         experts.linear_fc1 = experts.linear_fc1.to_wrap
         experts.linear_fc2 = experts.linear_fc2.to_wrap

@@ -62,7 +62,6 @@ def test_fused_experts_match_fp64_in_the_interpreter():
     if not hasattr(torch.nn.functional, "grouped_mm"):
         pytest.skip("this torch has no CPU grouped_mm for fc2 and fc1's input gradient")
     from mcore_torch_experts.kernels.fused_experts import fused_experts
-    from mcore_torch_experts.kernels.grouped_gemm import find_grouped_mm
 
     torch.manual_seed(0)
     E, H, F = 5, 40, 24  # K = 40 is not a multiple of the block: the masked K loop runs
@@ -70,7 +69,6 @@ def test_fused_experts_match_fp64_in_the_interpreter():
              dict(activation="silu", glu=False),
              dict(activation="silu", glu=True, glu_linear_offset=1.0,
                   activation_func_clamp_value=0.5)]
-    gmm = find_grouped_mm().fn
     for case in cases:
         config = _make_config(num_experts=E, hidden=H, ffn=F, **case)
         clamped = config.activation_func_clamp_value is not None
@@ -82,11 +80,11 @@ def test_fused_experts_match_fp64_in_the_interpreter():
             w2 = (torch.randn(E, H, F) * 0.2).bfloat16()
             x = torch.randn(rows, H).bfloat16().requires_grad_(True)
             probs = torch.rand(rows).requires_grad_(True)
-            out = fused_experts(config, x, probs, w1, w2, offs, gmm)
+            out = fused_experts(config, x, probs, w1, w2, offs)
             grad = torch.randn(rows, H).bfloat16()
             out.backward(grad)
             with torch.no_grad():  # the inference path writes no fc1 output
-                out_nograd = fused_experts(config, x, probs, w1, w2, offs, gmm)
+                out_nograd = fused_experts(config, x, probs, w1, w2, offs)
             assert torch.equal(out_nograd, out)
             assert out.shape == (rows, H) and x.grad.shape == (rows, H)
             if rows == 0:
@@ -312,9 +310,7 @@ def test_fused_experts_with_lora_match_fp64_in_the_interpreter():
     if not hasattr(torch.nn.functional, "grouped_mm"):
         pytest.skip("this torch has no CPU grouped_mm for fc2 and fc1's input gradient")
     from mcore_torch_experts.kernels.fused_experts import LoRATerm, fused_experts
-    from mcore_torch_experts.kernels.grouped_gemm import find_grouped_mm
 
-    gmm = find_grouped_mm().fn
     gen = torch.Generator().manual_seed(7)
     E, H, F = 4, 40, 24
     for case, kind, rank, (on_fc1, on_fc2) in LORA_CASES:
@@ -340,7 +336,7 @@ def test_fused_experts_with_lora_match_fp64_in_the_interpreter():
             def run():
                 for leaf in leaves:
                     leaf.grad = None
-                out = fused_experts(config, x, probs, w1, w2, offs, gmm, *terms)
+                out = fused_experts(config, x, probs, w1, w2, offs, *terms)
                 out.backward(grad)
                 return [out.detach()] + [None if leaf.grad is None else leaf.grad.clone()
                                          for leaf in leaves]
@@ -348,7 +344,7 @@ def test_fused_experts_with_lora_match_fp64_in_the_interpreter():
             first, second = run(), run()
             assert all(f is s is None or torch.equal(f, s) for f, s in zip(first, second))
             with torch.no_grad():  # the logprob pass: the same kernels, no fc1 output saved
-                assert torch.equal(fused_experts(config, x, probs, w1, w2, offs, gmm, *terms),
+                assert torch.equal(fused_experts(config, x, probs, w1, w2, offs, *terms),
                                    first[0])
             out, *grads = first
             assert out.shape == (rows, H) and grads[0].shape == (rows, H)
@@ -421,7 +417,7 @@ def test_torch_grouped_mlp_fused_gemm_with_adapters_matches_grouped_mm(megatron_
     calls = []
     real = fused_module.fused_experts
     monkeypatch.setattr(fused_module, "fused_experts",
-                        lambda *args, **kwargs: calls.append(args[7:]) or real(*args, **kwargs))
+                        lambda *args, **kwargs: calls.append(args[6:]) or real(*args, **kwargs))
     adapter_calls = []
     for linear in (experts.linear_fc1, experts.linear_fc2):
         monkeypatch.setattr(linear.adapter, "forward", lambda *a, f=linear.adapter.forward:
