@@ -2,6 +2,9 @@
 tokens alone and among other tokens, and how far the probe tokens' output and input gradient
 move from the alone run's. Shapes: x [S, 1, H] (S tokens, H hidden), probe slice [P]."""
 
+import importlib.util
+
+import pytest
 import torch
 
 from mcore_torch_experts import TorchExpertsTransformerConfig, _compat
@@ -19,6 +22,19 @@ CONTEXTS = {"alone": (0, False), "among 7x others": (7, False),
             "among thousands": (256, False), "skewed, thousands": (256, True)}
 CPU_CONTEXTS = {"alone": (0, False), "among 7x others": (7, False),
                 "among a thousand": (64, False), "skewed, a thousand": (64, True)}
+
+
+def gpu_in_the_mode(test):
+    """The marks of a test that runs Megatron's batch-invariant kernels: a CUDA device, and
+    Transformer Engine importable (the TE leg)."""
+    for mark in (pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
+                                    reason="megatron-core 0.20's enable_batch_invariant_mode imports "
+                                    "Transformer Engine (ModuleNotFoundError without it): the TE leg "
+                                    "runs this"),
+                 pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+                 pytest.mark.te, pytest.mark.gpu):
+        test = mark(test)
+    return test
 
 
 def invariant_settings():

@@ -5,7 +5,6 @@ the MoE layer's output for a batch of probe tokens, alone and among other tokens
 (its input gradient within a rounding)."""
 
 import dataclasses
-import importlib.util
 import os
 
 import pytest
@@ -27,6 +26,7 @@ from support.batch_invariance import (
     RANK,
     TOP_K,
     VALID,
+    gpu_in_the_mode,
     invariant_settings,
     moe_layer_in_the_mode,
     probe_differences,
@@ -183,12 +183,7 @@ def test_on_the_cpu_probe_tokens_come_out_bitwise_the_same_in_any_batch(
 
 
 @needs_moe_mode
-@pytest.mark.gpu
-@pytest.mark.te
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
-                    reason="megatron-core 0.20's enable_batch_invariant_mode imports Transformer "
-                    "Engine (ModuleNotFoundError without it): the TE leg runs this")
+@gpu_in_the_mode
 @pytest.mark.parametrize("kernel", ["grouped_mm", "fused_gemm"])
 @pytest.mark.parametrize("adapter", [None, "shared", "per_expert"])
 @pytest.mark.parametrize("combine", ["megatron", "fp32_triton"])
@@ -214,12 +209,7 @@ def test_probe_tokens_come_out_bitwise_the_same_in_any_batch(megatron_world, com
 
 
 @needs_moe_mode
-@pytest.mark.gpu
-@pytest.mark.te
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
-                    reason="megatron-core 0.20's enable_batch_invariant_mode imports Transformer "
-                    "Engine (ModuleNotFoundError without it): the TE leg runs this")
+@gpu_in_the_mode
 @pytest.mark.parametrize("kernel", ["grouped_mm", "fused_gemm"])
 @pytest.mark.parametrize("adapter", [None, "shared", "per_expert"])
 def test_with_deterministic_algorithms_the_input_gradient_is_bitwise_too(megatron_world,
@@ -247,12 +237,7 @@ def test_with_deterministic_algorithms_the_input_gradient_is_bitwise_too(megatro
 
 
 @needs_moe_mode
-@pytest.mark.gpu
-@pytest.mark.te
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
-                    reason="megatron-core 0.20's enable_batch_invariant_mode imports Transformer "
-                    "Engine (ModuleNotFoundError without it): the TE leg runs this")
+@gpu_in_the_mode
 def test_in_the_mode_our_experts_against_megatrons_sequential_mlp(megatron_world):
     """Megatron's own experts that run in the mode without DeepGEMM: SequentialMLP, each expert's
     GEMMs through the mode's batch-invariant Triton matmul. Ours run torch's grouped GEMM, fc1

@@ -3,7 +3,6 @@ batch_invariant_mode (megatron-core 0.20 with Bridge 0.7.0): a batch of probe to
 MoE layer alone and among other tokens, output bit for bit; on the CPU (the mode's flag only:
 its kernels need CUDA) the input gradient too, on a GPU within two BF16 roundings."""
 
-import importlib.util
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from mcore_torch_experts import TorchGroupedLinear, _compat, register_with_megat
 from support.batch_invariance import (
     CPU_CONTEXTS,
     RANK,
+    gpu_in_the_mode,
     moe_layer_in_the_mode,
     probe_differences,
     randomize_adapter_outputs,
@@ -68,12 +68,7 @@ def test_on_the_cpu_bridge_adapters_keep_probe_tokens_bitwise_in_any_batch(
     assert all(out == 0 and dx == 0 for out, dx in differences.values()), differences
 
 
-@pytest.mark.gpu
-@pytest.mark.te
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
-                    reason="megatron-core 0.20's enable_batch_invariant_mode imports Transformer "
-                    "Engine (ModuleNotFoundError without it): the TE leg runs this")
+@gpu_in_the_mode
 @pytest.mark.parametrize("kernel", ["grouped_mm", "fused_gemm"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("combine", ["megatron", "fp32_triton"])
