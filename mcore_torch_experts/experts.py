@@ -8,7 +8,7 @@ and state-dict keys are those of TEGroupedMLP and nothing new is checkpointed.
 import contextlib
 import logging
 import weakref
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
@@ -37,8 +37,8 @@ from .errors import TorchExpertsConfigError
 from .kernels.choice import (
     ActivationImpl,
     ExpertKernel,
-    fused_gemm_obstacle,
-    read_fused_adapter,
+    FusedAdapter,
+    plan_fused_gemm,
     resolve_kernels,
     run_param_gather_hooks,
 )
@@ -334,11 +334,12 @@ class TorchGroupedMLP(MegatronModule):
             hidden, routed = (hidden if routed is None else routed.rows()), None
             hidden = (probs * hidden).to(hidden.dtype)
             probs = None
-        fused_gemm = self._runs_fused_gemm(hidden)
+        fused_views = self._fused_gemm_views(hidden)
         if not _summary_logged:
-            _log_summary_once(self.path_taken(fused_gemm, hidden.is_cuda))
-        if fused_gemm:
-            return self._fused_forward(hidden, tokens_per_expert, permuted_probs, routed), None
+            _log_summary_once(self.path_taken(fused_views is not None, hidden.is_cuda))
+        if fused_views is not None:
+            return self._fused_forward(fused_views, hidden, tokens_per_expert, permuted_probs,
+                                       routed), None
         if routed is not None:
             hidden = routed.rows()
         fc1_out, _ = self.linear_fc1(hidden, tokens_per_expert)
@@ -367,15 +368,16 @@ class TorchGroupedMLP(MegatronModule):
         activation = ActivationImpl.FUSED if self._fused_activation(on_cuda) else ActivationImpl.EAGER
         return f"{self.grouped_mm_name}, expert kernel {ExpertKernel.GROUPED_MM}, activation {activation}"
 
-    def _fused_forward(self, hidden, tokens_per_expert, permuted_probs, routed=None):
-        """The fused GEMM path: the packed weights, and the LoRA term of each linear's adapter;
-        with `routed`, hidden is its tokens and fc1 reads the rows through its index."""
+    def _fused_forward(self, views: Tuple[FusedAdapter, FusedAdapter], hidden, tokens_per_expert,
+                       permuted_probs, routed=None):
+        """The fused GEMM path: the packed weights, and the LoRA term of each linear's adapter
+        (`views`: fc1 and fc2 as this call's plan read them); with `routed`, hidden is its tokens
+        and fc1 reads the rows through its index."""
         from .kernels.fused_experts import LoRATerm, check_lora, fused_experts
 
         bases, terms = [], []
-        for linear in (self.linear_fc1, self.linear_fc2):
+        for linear, view in zip((self.linear_fc1, self.linear_fc2), views):
             run_param_gather_hooks(linear, (hidden,))  # the calls this path replaces would
-            view = read_fused_adapter(linear, TorchGroupedLinear, hidden)
             base = view.base
             bases.append(base)
             if view.factors is None:
@@ -393,16 +395,16 @@ class TorchGroupedMLP(MegatronModule):
         return fused_experts(self.config, hidden, permuted_probs, w1, w2, offs, *terms,
                              routed=routed)
 
-    def _runs_fused_gemm(self, hidden: torch.Tensor) -> bool:
-        """Whether this call takes the fused GEMM path (kernels.choice.fused_gemm_obstacle); a
+    def _fused_gemm_views(self, hidden: torch.Tensor) -> Optional[Tuple[FusedAdapter, ...]]:
+        """fc1 and fc2 as the fused kernels see them when this call takes the fused GEMM path
+        (kernels.choice.plan_fused_gemm: each linear is read once per call), else None; a
         forced "fused_gemm" that cannot run raises."""
         if self.kernels.expert_kernel != ExpertKernel.FUSED_GEMM:
-            return False
-        obstacle = fused_gemm_obstacle((self.linear_fc1, self.linear_fc2), TorchGroupedLinear,
-                                       hidden)
-        if obstacle is not None and self.kernels.setting == ExpertKernel.FUSED_GEMM:
-            raise RuntimeError(obstacle)
-        return obstacle is None
+            return None
+        plan = plan_fused_gemm((self.linear_fc1, self.linear_fc2), TorchGroupedLinear, hidden)
+        if plan.obstacle is not None and self.kernels.setting == ExpertKernel.FUSED_GEMM:
+            raise RuntimeError(plan.obstacle)
+        return plan.views if plan.obstacle is None else None
 
     def backward_dw(self):
         """A no-op: the expert weights are frozen, so there is no weight gradient to compute late.

@@ -207,15 +207,23 @@ def hooked(modules: Mapping[str, torch.nn.Module]) -> Optional[str]:
     return f"{' and '.join(names)} carry hooks that it would skip" if names else None
 
 
-def fused_gemm_obstacle(linears: Sequence[torch.nn.Module], linear_type: type,
-                        hidden: torch.Tensor) -> Optional[str]:
-    """Why this call cannot take the fused GEMM path, which calls the packed weights directly
-    (skipping `linears`' own calls), or None when it can: each linear must be a plain
-    `linear_type` without hooks, or an adapter wrapper around one that a reader of
-    ADAPTER_READERS says the kernels compute, and the input on CUDA (or under triton's
-    interpreter)."""
-    for name, linear in zip(("linear_fc1", "linear_fc2"), linears):
-        view = read_fused_adapter(linear, linear_type, hidden)
+class FusedGemmPlan(NamedTuple):
+    """One call's verdict on the fused GEMM path (`plan_fused_gemm`): the expert linears as the
+    kernels see them, read once, and why the path cannot run (None: it can)."""
+
+    views: Tuple[FusedAdapter, ...]
+    obstacle: Optional[str]
+
+
+def plan_fused_gemm(linears: Sequence[torch.nn.Module], linear_type: type,
+                    hidden: torch.Tensor) -> FusedGemmPlan:
+    """Read each of `linears` (fc1, fc2) once as the fused kernels see it, and decide whether this
+    call can take the fused GEMM path, which calls the packed weights directly (skipping
+    `linears`' own calls): each linear must be a plain `linear_type` without hooks, or an adapter
+    wrapper around one that a reader of ADAPTER_READERS says the kernels compute, and the input
+    on CUDA (or under triton's interpreter). The forward uses the views it returns."""
+    views = tuple(read_fused_adapter(linear, linear_type, hidden) for linear in linears)
+    for name, linear, view in zip(("linear_fc1", "linear_fc2"), linears, views):
         reason = None
         if view.base is None:
             reason = (f"{name} is a {type(linear).__name__}, an adapter wrapper or module it "
@@ -225,12 +233,20 @@ def fused_gemm_obstacle(linears: Sequence[torch.nn.Module], linear_type: type,
         elif view.obstacle is not None:
             reason = f"{name}'s {view.obstacle}"
         if reason is not None:
-            return ("moe_expert_kernel='fused_gemm' runs the packed expert weights directly, but "
-                    f"linear_fc1/linear_fc2 carry adapters or hooks that it would skip ({reason});"
-                    " set moe_expert_kernel='grouped_mm' or 'auto' for such adapters or hooks on "
-                    "the experts.")
+            return FusedGemmPlan(views, (
+                "moe_expert_kernel='fused_gemm' runs the packed expert weights directly, but "
+                f"linear_fc1/linear_fc2 carry adapters or hooks that it would skip ({reason});"
+                " set moe_expert_kernel='grouped_mm' or 'auto' for such adapters or hooks on "
+                "the experts."))
     if not hidden.is_cuda and not TRITON_INTERPRETER:
-        return (f"moe_expert_kernel='fused_gemm' runs Triton kernels on CUDA tensors; the "
-                f"input is on {hidden.device}. Move the module to CUDA or set "
-                "moe_expert_kernel='grouped_mm' or 'auto'.")
-    return None
+        return FusedGemmPlan(views, (
+            f"moe_expert_kernel='fused_gemm' runs Triton kernels on CUDA tensors; the "
+            f"input is on {hidden.device}. Move the module to CUDA or set "
+            "moe_expert_kernel='grouped_mm' or 'auto'."))
+    return FusedGemmPlan(views, None)
+
+
+def fused_gemm_obstacle(linears: Sequence[torch.nn.Module], linear_type: type,
+                        hidden: torch.Tensor) -> Optional[str]:
+    """Why this call cannot take the fused GEMM path, or None when it can (`plan_fused_gemm`)."""
+    return plan_fused_gemm(linears, linear_type, hidden).obstacle

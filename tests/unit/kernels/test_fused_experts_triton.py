@@ -395,6 +395,7 @@ def test_torch_grouped_mlp_fused_gemm_with_adapters_matches_grouped_mm(megatron_
     pytest.importorskip("triton", reason="triton is not installed: the fused kernels are untested")
     if not hasattr(torch.nn.functional, "grouped_mm"):
         pytest.skip("this torch has no CPU grouped_mm for fc2 and fc1's input gradient")
+    from mcore_torch_experts.kernels import choice
     from mcore_torch_experts.kernels import fused_experts as fused_module
     from mcore_torch_experts.lora import lora_parameters
 
@@ -422,8 +423,13 @@ def test_torch_grouped_mlp_fused_gemm_with_adapters_matches_grouped_mm(megatron_
     for linear in (experts.linear_fc1, experts.linear_fc2):
         monkeypatch.setattr(linear.adapter, "forward", lambda *a, f=linear.adapter.forward:
                             adapter_calls.append(1) or f(*a))
+    reads = []  # each linear is read once per call: the plan's views feed the kernels
+    real_read = choice.read_fused_adapter
+    monkeypatch.setattr(choice, "read_fused_adapter",
+                        lambda linear, *a: reads.append(linear) or real_read(linear, *a))
     fused = _forward_backward(experts, x, splits, probs, grad)
     assert len(calls) == 1 and all(t is not None for t in calls[0]) and not adapter_calls
+    assert reads == [experts.linear_fc1, experts.linear_fc2], reads
     assert torch.equal(_forward_backward(experts, x, splits, probs, grad)[0], fused[0])
     experts.kernels = KernelChoice("grouped_mm", "grouped_mm", experts.kernels.activation)
     reference = _forward_backward(experts, x, splits, probs, grad)
