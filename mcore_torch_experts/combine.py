@@ -20,12 +20,14 @@ Backends:
 `chunk_rows=None` reads MCORE_TORCH_EXPERTS_COMBINE_CHUNK_ROWS; unset means 4096.
 """
 
-import enum
 import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
+
+from .enums import CombineBackend
+from .settings import ExpertSettings
 
 CHUNK_ROWS_ENV = "MCORE_TORCH_EXPERTS_COMBINE_CHUNK_ROWS"
 # 4096 rows bound the FP32 temporary to 4096 * H * 4 bytes: 112 MiB at H = 7168 against 3.5 GiB
@@ -34,13 +36,6 @@ CHUNK_ROWS_ENV = "MCORE_TORCH_EXPERTS_COMBINE_CHUNK_ROWS"
 # the default; 0 opts back into single-shot. At small H (1024) 4096-row chunks cost ~25% forward
 # time, and 16384 rows is the better trade.
 DEFAULT_CHUNK_ROWS = 4096
-
-
-class CombineBackend(enum.StrEnum):
-    """`backend` of fp32_combine (`moe_combine_backend`); None picks one."""
-
-    TORCH = "torch"
-    TRITON = "triton"
 
 
 @dataclass(frozen=True)
@@ -55,9 +50,8 @@ class CombineOptions:
         check_options(self.chunk_rows, self.backend)
 
     @classmethod
-    def from_config(cls, config) -> "CombineOptions":
-        return cls(getattr(config, "moe_combine_chunk_rows", None),
-                   getattr(config, "moe_combine_backend", None))
+    def from_settings(cls, settings: ExpertSettings) -> "CombineOptions":
+        return cls(settings.combine_chunk_rows, settings.combine_backend)
 
 
 def chunk_rows_from_env() -> int:

@@ -1,7 +1,6 @@
 """The `moe_expert_gemm_backend` flag and the checks that run when it says "torch"."""
 
 import dataclasses
-import enum
 import re
 from dataclasses import dataclass
 from typing import Mapping, Optional
@@ -11,16 +10,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from . import _compat
 from .combine import option_problem
+from .enums import ExpertGemmBackend
 from .errors import TorchExpertsConfigError
 from .kernels.choice import check_expert_kernel
-
-
-class ExpertGemmBackend(enum.StrEnum):
-    """`moe_expert_gemm_backend`: whose experts a MoE layer builds."""
-
-    TRANSFORMER_ENGINE = "transformer_engine"  # Megatron's own (TEGroupedMLP with TE)
-    TORCH = "torch"  # TorchGroupedMLP
-
+from .settings import ExpertSettings, check_backend
 
 MAX_LOCAL_EXPERTS = 1023  # grouped GEMM's CUTLASS path takes fewer than 1024 groups
 ALIGN_ELEMENTS = 8  # 16-byte strides for bf16 operands
@@ -28,16 +21,6 @@ ALIGN_ELEMENTS = 8  # 16-byte strides for bf16 operands
 
 def _refuse(field: str, value, fix: str, setting: str = "moe_expert_gemm_backend='torch'") -> None:
     raise TorchExpertsConfigError(f"{setting} does not support {field}={value!r}: {fix}")
-
-
-def check_backend(backend) -> None:
-    """Refuse a moe_expert_gemm_backend value outside ExpertGemmBackend, naming the allowed
-    ones."""
-    if backend not in tuple(ExpertGemmBackend):
-        raise TorchExpertsConfigError(
-            f"moe_expert_gemm_backend={backend!r} is not a backend: set it to one of "
-            f"{tuple(b.value for b in ExpertGemmBackend)}."
-        )
 
 
 _TE_OP_FUSER_FIX = "the TE operation fuser builds its own expert ops; set {field}=False."
@@ -212,12 +195,13 @@ BATCH_INVARIANT_REQUIREMENTS = (
 )
 
 
-def check_batch_invariant_mode(config: TransformerConfig) -> None:
+def check_batch_invariant_mode(config: TransformerConfig,
+                               settings: Optional[ExpertSettings] = None) -> None:
     """With batch_invariant_mode=True and TorchGroupedMLP experts: Megatron-Core 0.20 or newer
     (the first with a batch-invariant MoE unpermute and router) and its requirements for the
     mode (BATCH_INVARIANT_REQUIREMENTS); a field this Megatron-Core lacks reads as unset. The FP32
-    combine's part is validate_fp32_combine_config's."""
-    if not getattr(config, "batch_invariant_mode", False):
+    combine's part is validate_fp32_combine_config's. `settings`: the config's, where read."""
+    if not (settings or ExpertSettings.read(config)).batch_invariant:
         return
     release = _compat.megatron_core_release()
     if release < BATCH_INVARIANT_MIN_RELEASE:
@@ -230,7 +214,7 @@ def check_batch_invariant_mode(config: TransformerConfig) -> None:
             _refuse(field, getattr(config, field), fix, "batch_invariant_mode=True")
 
 
-def _check_supported_settings(config: TransformerConfig) -> None:
+def _check_supported_settings(config: TransformerConfig, settings: ExpertSettings) -> None:
     if config.num_moe_experts is None:
         _refuse("num_moe_experts", None,
                 "it builds MoE experts only; set num_moe_experts, or leave the backend at "
@@ -240,7 +224,7 @@ def _check_supported_settings(config: TransformerConfig) -> None:
     refuse_transformer_impl(config, "moe_expert_gemm_backend='torch'")
     refuse_unsupported_flags(vars(config))
     _refuse_te_activation_mismatch(config)
-    check_batch_invariant_mode(config)
+    check_batch_invariant_mode(config, settings)
     dtype = config.params_dtype
     if dtype == torch.float16 or (dtype != torch.bfloat16 and not config.use_cpu_initialization):
         _refuse("params_dtype", dtype,
@@ -306,7 +290,8 @@ def _aligned_ffn_fix(ffn: int, etp_size: int) -> str:
 
 
 def validate_torch_experts_config(config: TransformerConfig, ep_size: Optional[int] = None,
-                                  etp_size: Optional[int] = None) -> None:
+                                  etp_size: Optional[int] = None,
+                                  settings: Optional[ExpertSettings] = None) -> None:
     """Refuse every setting the torch expert backend cannot honour with a TorchExpertsConfigError
     naming the field, its value and the fix.
 
@@ -314,9 +299,9 @@ def validate_torch_experts_config(config: TransformerConfig, ep_size: Optional[i
     TorchGroupedMLP, when TorchGroupedMLP is built and before a model is converted. `ep_size` /
     `etp_size` default to the config's parallel sizes; pass the process-group sizes when known.
     A config without the `moe_expert_gemm_backend` field counts as asking for "torch".
+    `settings`: the config's (`ExpertSettings.read`, which checks the fields' values), where read.
     """
-    check_backend(getattr(config, "moe_expert_gemm_backend", "torch"))
-    _check_supported_settings(config)
+    _check_supported_settings(config, settings or ExpertSettings.read(config))
     ep = ep_size if ep_size is not None else config.expert_model_parallel_size
     etp = etp_size if etp_size is not None else (config.expert_tensor_parallel_size or 1)
     _check_shapes(config, ep, etp)
@@ -326,9 +311,12 @@ COMBINE_DISPATCHERS = ("allgather", "alltoall")
 
 
 def validate_fp32_combine_config(config: TransformerConfig,
-                                 setting: str = "moe_combine_in_fp32=True") -> None:
+                                 setting: str = "moe_combine_in_fp32=True",
+                                 settings: Optional[ExpertSettings] = None) -> None:
     """Refuse settings under which the FP32 top-k combine cannot run as asked; `setting` is
-    what asked for it (a launcher entry point names itself)."""
+    what asked for it (a launcher entry point names itself); `settings`: the config's, where
+    read."""
+    settings = settings or ExpertSettings.read(config)
 
     def refuse(field, value, fix):
         _refuse(field, value, fix, setting)
@@ -339,8 +327,8 @@ def validate_fp32_combine_config(config: TransformerConfig,
     if config.moe_token_dispatcher_type not in COMBINE_DISPATCHERS:
         refuse("moe_token_dispatcher_type", config.moe_token_dispatcher_type,
                f"use one of {COMBINE_DISPATCHERS}.")
-    backend = getattr(config, "moe_combine_backend", None)
-    if getattr(config, "batch_invariant_mode", False) and backend != "triton":
+    backend = settings.combine_backend
+    if settings.batch_invariant and backend != "triton":
         refuse("moe_combine_backend", backend, "under batch_invariant_mode=True the combine must "
                "be the Triton kernel, which adds each token's rows in one fixed order, by "
                "expert (the torch backend's scatter-add is not even run-to-run deterministic on CUDA); set "
@@ -348,8 +336,7 @@ def validate_fp32_combine_config(config: TransformerConfig,
     if config.moe_pad_expert_input_to_capacity:
         refuse("moe_pad_expert_input_to_capacity", True, "padded (drop-and-pad) combines are not "
                "supported; set moe_pad_expert_input_to_capacity=False.")
-    problem = option_problem(getattr(config, "moe_combine_chunk_rows", None),
-                             getattr(config, "moe_combine_backend", None))
+    problem = option_problem(settings.combine_chunk_rows, settings.combine_backend)
     if problem is not None:
         option, value, requirement = problem
         refuse(f"moe_combine_{option}", value, f"it must be {requirement}.")
@@ -378,20 +365,20 @@ def spec_choice(config: TransformerConfig, spec_kwargs: Optional[Mapping[str, ob
     if entry_point is not None:
         refuse_unrecorded_settings(config, entry_point)
         refuse_transformer_impl(config, entry_point)
-    backend = getattr(config, "moe_expert_gemm_backend", experts_absent)
+    settings = ExpertSettings.read(config)
+    backend = settings.gemm_backend or experts_absent
     check_backend(backend)
     torch_experts = backend == ExpertGemmBackend.TORCH
     if torch_experts:
-        validate_torch_experts_config(config)
+        validate_torch_experts_config(config, settings=settings)
         refuse_unsupported_flags(spec_kwargs or {})
         refuse_spec_arguments(spec_kwargs or {})
     if entry_point_combines:
         combine = entry_point
     else:
-        combine = "moe_combine_in_fp32=True" if getattr(config, "moe_combine_in_fp32", False) \
-            else None
+        combine = "moe_combine_in_fp32=True" if settings.combine_in_fp32 else None
     if combine is not None:
-        validate_fp32_combine_config(config, combine)
+        validate_fp32_combine_config(config, combine, settings)
     return SpecChoice(torch_experts, combine)
 
 
@@ -407,7 +394,7 @@ class TorchExpertsTransformerConfig(TransformerConfig):
     "fused_gemm" (Triton grouped GEMMs with the activation, probs and this package's LoRA adapters
     in their epilogues; an error where it cannot run) or "auto" (fused_gemm on GPUs where it
     measured faster, for non-gated activations; a call it cannot compute takes grouped_mm). The
-    values: `mcore_torch_experts.kernels.choice.ExpertKernel`."""
+    values: `mcore_torch_experts.enums.ExpertKernel`."""
 
     moe_combine_in_fp32: bool = False
     """Sum each token's top-k expert outputs in FP32 with bounded memory (FP32CombineMoELayer in
@@ -425,18 +412,18 @@ class TorchExpertsTransformerConfig(TransformerConfig):
         # The settings refused outright go first: Megatron's own checks of them (fp8 without
         # Transformer Engine, inference-optimized layers, say) would fail with a message that
         # does not name the fix.
-        check_backend(self.moe_expert_gemm_backend)
-        if self.moe_expert_gemm_backend == "torch":
+        settings = ExpertSettings.read(self)  # checks the backend and kernel values
+        torch_experts = settings.gemm_backend == ExpertGemmBackend.TORCH
+        if torch_experts:
             refuse_transformer_impl(self, "moe_expert_gemm_backend='torch'")
             refuse_unsupported_flags(vars(self))
-            check_batch_invariant_mode(self)
-        if self.moe_combine_in_fp32:  # it reads no field that Megatron's checks derive
-            validate_fp32_combine_config(self)
+            check_batch_invariant_mode(self, settings)
+        if settings.combine_in_fp32:  # it reads no field that Megatron's checks derive
+            validate_fp32_combine_config(self, settings=settings)
         # Megatron's checks of batch_invariant_mode for an MoE model are ours above but its
         # DeepGEMM requirement (TE's grouped GEMM, which TorchGroupedMLP never calls): its
         # __post_init__ runs with the mode off, which it reads for nothing else (0.20).
-        invariant = self.moe_expert_gemm_backend == "torch" and getattr(
-            self, "batch_invariant_mode", False)
+        invariant = torch_experts and settings.batch_invariant
         if invariant:
             self.batch_invariant_mode = False
         try:
@@ -444,9 +431,9 @@ class TorchExpertsTransformerConfig(TransformerConfig):
         finally:
             if invariant:
                 self.batch_invariant_mode = True
-        if self.moe_expert_gemm_backend == "torch":
-            validate_torch_experts_config(self)
-        check_expert_kernel(self)
+        if torch_experts:
+            validate_torch_experts_config(self, settings=settings)
+        check_expert_kernel(self, settings.expert_kernel)
 
 
 PACKAGE_FIELDS = tuple(name for name in TorchExpertsTransformerConfig.__dataclass_fields__

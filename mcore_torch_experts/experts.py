@@ -45,6 +45,7 @@ from .kernels.choice import (
 from .kernels.grouped_gemm import Splits, find_grouped_mm, frozen_grouped_linear, group_offsets
 from .packing import PackedExpertWeights
 from .routed_tokens import RoutedTokens
+from .settings import ExpertSettings
 
 ON_BUILD: List[Callable[[], None]] = []
 """Called, without arguments, whenever a TorchGroupedMLP is built: integrations that must know
@@ -262,7 +263,8 @@ class TorchGroupedMLP(MegatronModule):
         self.tp_group = pg_collection.expt_tp
         ep_size = get_pg_size(self.ep_group)
         etp_size = get_pg_size(self.tp_group)
-        validate_torch_experts_config(config, ep_size, etp_size)
+        settings = ExpertSettings.read(config)  # this module's one read of them
+        validate_torch_experts_config(config, ep_size, etp_size, settings)
         if num_local_experts * ep_size != config.num_moe_experts:
             raise ValueError(
                 f"num_local_experts={num_local_experts} x expert parallel size {ep_size} != "
@@ -280,13 +282,13 @@ class TorchGroupedMLP(MegatronModule):
             config=config, init_method=config.output_layer_init_method, parallel_mode="row",
             stride=1, pg_collection=pg_collection, name=f"{prefix}linear_fc2")
         self.grouped_mm_name = self.linear_fc1.grouped_mm_name
-        self.batch_invariant = bool(getattr(config, "batch_invariant_mode", False))
+        self.batch_invariant = settings.batch_invariant
         """batch_invariant_mode=True: every forward first checks that Megatron's batch-invariant
         kernels are on (they make the shared adapters' matmuls invariant; the rest of this path
         is by itself)."""
         for hook in ON_BUILD:
             hook()
-        self.kernels = resolve_kernels(config)
+        self.kernels = resolve_kernels(config, settings.expert_kernel)
         """The kernels this module runs (kernels/choice.py), resolved from `moe_expert_kernel`
         and the config's activation at construction: "fused_gemm", fc1 with activation x probs
         in its epilogue and fc2's input gradient with the activation's backward in its epilogue,

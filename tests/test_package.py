@@ -200,11 +200,22 @@ def test_only_the_nemo_rl_integration_imports_nemo_rl():
     assert importers == {"integrations.nemo_rl"}, importers
 
 
-def test_the_kernels_wing_imports_only_itself_and_the_error_type():
+LEAVES = {"errors", "enums", "settings"}
+"""The modules every other one may import: the error type, the choices, the settings' one read."""
+
+
+def test_the_leaves_import_only_each_other():
+    graph = package_imports()
+    assert LEAVES <= MODULES
+    outside = {m: sorted(graph[m] - LEAVES) for m in LEAVES}
+    assert all(not found for found in outside.values()), outside
+
+
+def test_the_kernels_wing_imports_only_itself_and_the_leaves():
     graph = package_imports()
     kernels = {m for m in MODULES if m == "kernels" or m.startswith("kernels.")}
     assert len(kernels) >= 6
-    outside = {m: sorted(graph[m] - kernels - {"errors"}) for m in kernels}
+    outside = {m: sorted(graph[m] - kernels - LEAVES) for m in kernels}
     assert all(not found for found in outside.values()), outside
 
 

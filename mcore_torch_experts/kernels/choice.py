@@ -9,7 +9,6 @@ activation in their epilogues (fused_experts_triton.py); `ExpertKernel.AUTO`: fu
 measured faster.
 """
 
-import enum
 import functools
 import types
 from dataclasses import dataclass
@@ -19,24 +18,10 @@ import torch
 import torch.nn.functional as F
 from megatron.core.activations import squared_relu
 
+from ..enums import ActivationImpl, ExpertKernel
 from ..errors import TorchExpertsConfigError
+from ..settings import ExpertSettings
 from . import TRITON_INTERPRETER
-
-
-class ExpertKernel(enum.StrEnum):
-    """`moe_expert_kernel`: what TorchGroupedMLP's experts run."""
-
-    AUTO = "auto"
-    FUSED_GEMM = "fused_gemm"
-    GROUPED_MM = "grouped_mm"
-
-
-class ActivationImpl(enum.StrEnum):
-    """How the grouped_mm path applies activation x probs."""
-
-    FUSED = "fused"  # one Triton kernel, on CUDA tensors
-    EAGER = "eager"  # torch ops (the CPU; CUDA where triton is missing or the kernel does not cover)
-
 
 KERNEL_ACTIVATIONS = {squared_relu: 0, F.silu: 1}
 """The activations both Triton kernels compute, and each one's code in the kernels (`ACT`)."""
@@ -83,13 +68,12 @@ def activation_kernel_not_covered(config) -> Optional[str]:
     return None
 
 
-def check_expert_kernel(config) -> ExpertKernel:
-    """`moe_expert_kernel` (absent reads "auto") as an ExpertKernel; one that is not a choice, or
-    a forced "fused_gemm" the fused kernels cannot compute, is a TorchExpertsConfigError."""
-    setting = getattr(config, "moe_expert_kernel", ExpertKernel.AUTO)
-    if setting not in tuple(ExpertKernel):
-        raise TorchExpertsConfigError(f"moe_expert_kernel={setting!r} is not a kernel choice: "
-                                      f"set it to one of {tuple(k.value for k in ExpertKernel)}.")
+def check_expert_kernel(config, setting: Optional[ExpertKernel] = None) -> ExpertKernel:
+    """`moe_expert_kernel` (`setting`, where already read: `ExpertSettings.expert_kernel`) as an
+    ExpertKernel; one that is not a choice, or a forced "fused_gemm" the fused kernels cannot
+    compute, is a TorchExpertsConfigError."""
+    if setting is None:
+        setting = ExpertSettings.read(config).expert_kernel
     if setting == ExpertKernel.FUSED_GEMM and (reason := fused_gemm_not_covered(config)):
         raise TorchExpertsConfigError(f"moe_expert_kernel='fused_gemm' cannot run: {reason}. "
                                       "Set moe_expert_kernel='grouped_mm' or 'auto'.")
@@ -109,9 +93,10 @@ class KernelChoice:
     """The grouped_mm path's activation x probs."""
 
 
-def resolve_kernels(config) -> KernelChoice:
-    """The kernels for this config on this machine; a bad setting is a TorchExpertsConfigError."""
-    setting = check_expert_kernel(config)
+def resolve_kernels(config, setting: Optional[ExpertKernel] = None) -> KernelChoice:
+    """The kernels for this config on this machine (`setting`: its `moe_expert_kernel`, where
+    already read); a bad setting is a TorchExpertsConfigError."""
+    setting = check_expert_kernel(config, setting)
     expert_kernel = setting
     if setting == ExpertKernel.AUTO:
         on_measured_gpu = (torch.cuda.is_available() and torch.cuda.get_device_capability()

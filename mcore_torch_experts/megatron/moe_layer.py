@@ -28,6 +28,7 @@ from ..combine import CombineOptions, fp32_combine
 from ..config import validate_fp32_combine_config
 from ..experts import TorchGroupedMLP
 from ..routed_tokens import RoutedTokens
+from ..settings import ExpertSettings
 
 
 class FP32CombineMoELayer(MoELayer):
@@ -41,15 +42,17 @@ class FP32CombineMoELayer(MoELayer):
     on Megatron's global (mpu) groups (docs/guarantees.md, "FP32 top-k combine")."""
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, **kwargs):
-        validate_fp32_combine_config(config)  # before Megatron builds (and checks) its dispatcher
+        settings = ExpertSettings.read(config)
+        # before Megatron builds (and checks) its dispatcher
+        validate_fp32_combine_config(config, settings=settings)
         super().__init__(config, submodules, layer_number=layer_number,
                          pg_collection=pg_collection, **kwargs)
-        self._route_combine()
+        self._route_combine(settings)
 
-    def _route_combine(self) -> None:
-        """Read the combine settings and route the dispatcher's combine (and, on allgather with
-        TorchGroupedMLP experts, its rows) through this layer."""
-        self.combine_options = CombineOptions.from_config(self.config)
+    def _route_combine(self, settings: ExpertSettings) -> None:
+        """Take the combine settings (the config's, read once) and route the dispatcher's
+        combine (and, on allgather with TorchGroupedMLP experts, its rows) through this layer."""
+        self.combine_options = CombineOptions.from_settings(settings)
         route_unpermute_through(self.token_dispatcher, self.combine_top_k)
         hand_tokens_in_place(self)
 
@@ -75,11 +78,12 @@ def convert_moe_layers_to_fp32_combine(
     root = torch.nn.ModuleList(model) if isinstance(model, (list, tuple)) else model
     layers = [(name, module) for name, module in root.named_modules()
               if type(module) is MoELayer]
-    for _, layer in layers:
-        validate_fp32_combine_config(layer.config, "convert_moe_layers_to_fp32_combine")
-    for _, layer in layers:
+    settings = [ExpertSettings.read(layer.config) for _, layer in layers]
+    for (_, layer), read in zip(layers, settings):
+        validate_fp32_combine_config(layer.config, "convert_moe_layers_to_fp32_combine", read)
+    for (_, layer), read in zip(layers, settings):
         layer.__class__ = FP32CombineMoELayer
-        layer._route_combine()
+        layer._route_combine(read)
     return [name for name, _ in layers]
 
 

@@ -363,15 +363,17 @@ def test_env_var_drives_fp32_combine(monkeypatch):
 # so VmHWM - VmRSS afterwards is the peak extra memory of the combine alone. The inputs are created
 # in place (no FP32 temporaries). MALLOC_MMAP_THRESHOLD_ makes glibc map every buffer of 64 KiB or
 # more on its own and unmap it when freed, so each temporary shows in RSS exactly once.
-# combine.py is loaded by path: it only needs torch, and importing the package would import
-# Megatron-Core, which is slow and irrelevant here.
+# combine.py is imported without the package's __init__ (the package registered by its path): it
+# and the leaves it imports (enums, settings, errors) need only torch, and the package's __init__
+# would import Megatron-Core, which is slow and irrelevant here.
 MEMORY_PROBE = r"""
-import importlib.util, json, re, sys
+import importlib, json, re, sys, types
 import torch
 
-spec = importlib.util.spec_from_file_location("combine", sys.argv[1])
-combine = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(combine)
+package = types.ModuleType("mcore_torch_experts")
+package.__path__ = [sys.argv[1]]
+sys.modules["mcore_torch_experts"] = package
+combine = importlib.import_module("mcore_torch_experts.combine")
 num_rows, hidden, num_tokens, chunk_rows = map(int, sys.argv[2:])
 
 def vm_kib(field):
@@ -393,8 +395,8 @@ print(json.dumps({"forward_mib": forward / 1024, "forward_backward_mib": forward
 
 
 def _peak_extra_mib(num_rows, hidden, num_tokens, chunk_rows):
-    combine_path = Path(combine.__file__)
-    args = [sys.executable, "-c", MEMORY_PROBE, str(combine_path),
+    package_path = Path(combine.__file__).parent
+    args = [sys.executable, "-c", MEMORY_PROBE, str(package_path),
             str(num_rows), str(hidden), str(num_tokens), str(chunk_rows)]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
