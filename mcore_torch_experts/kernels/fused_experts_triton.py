@@ -79,6 +79,32 @@ def _find_tile(offs_ptr, num_experts, pid, num_n_tiles, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
+def _row_tile(ptrs, row_ok, ks, k_left, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One K step of a GEMM's left operand [BLOCK_M, BLOCK_K]: rows past the tile's expert and
+    (unless EVEN_K) the `ks` at or past `k_left` read zero; FP32 copies under DOT_FP32."""
+    if EVEN_K:
+        tile = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        tile = tl.load(ptrs, mask=row_ok[:, None] & (ks < k_left)[None, :], other=0.0)
+    if DOT_FP32:
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@triton.jit
+def _col_tile(ptrs, col_ok, ks, k_left, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One K step of a GEMM's right operand [BLOCK_K, BLOCK_N]: columns past N and (unless
+    EVEN_K) the `ks` at or past `k_left` read zero; FP32 copies under DOT_FP32."""
+    if EVEN_K:
+        tile = tl.load(ptrs, mask=col_ok[None, :], other=0.0)
+    else:
+        tile = tl.load(ptrs, mask=col_ok[None, :] & (ks < k_left)[:, None], other=0.0)
+    if DOT_FP32:
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@triton.jit
 def _fc1_act_kernel(x_ptr, ids_ptr, w_ptr, offs_ptr, p_ptr, h_ptr, out_ptr, xa_ptr, lb_ptr,
                     num_experts, N, K, R, num_n_tiles, offset, clamp,
                     ACT: tl.constexpr, GLU: tl.constexpr, CLAMP: tl.constexpr,
@@ -113,24 +139,11 @@ def _fc1_act_kernel(x_ptr, ids_ptr, w_ptr, offs_ptr, p_ptr, h_ptr, out_ptr, xa_p
     if GLU:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
-        else:
-            k_ok = ks < K - k
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        if DOT_FP32:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
+        a = _row_tile(a_ptrs, row_ok, ks, K - k, EVEN_K, DOT_FP32)
+        acc = tl.dot(a, _col_tile(b_ptrs, col_ok, ks, K - k, EVEN_K, DOT_FP32), acc)
         if GLU:
-            if EVEN_K:
-                b_up = tl.load(b_ptrs + N * K, mask=col_ok[None, :], other=0.0)
-            else:
-                b_up = tl.load(b_ptrs + N * K, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            if DOT_FP32:
-                b_up = b_up.to(tl.float32)
-            acc_up = tl.dot(a, b_up, acc_up)
+            acc_up = tl.dot(a, _col_tile(b_ptrs + N * K, col_ok, ks, K - k, EVEN_K, DOT_FP32),
+                            acc_up)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     width = N * 2 if GLU else N
@@ -142,17 +155,11 @@ def _fc1_act_kernel(x_ptr, ids_ptr, w_ptr, offs_ptr, p_ptr, h_ptr, out_ptr, xa_p
             lb_e = lb_ptr + expert.to(tl.int64) * width * R
         lb_ptrs = lb_e + cols[None, :].to(tl.int64) * R + rs[:, None]
         for r in tl.range(0, R, BLOCK_R, num_stages=1):  # short: not pipelined
-            r_ok = rs < R - r
-            a = tl.load(la_ptrs, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
-            b = tl.load(lb_ptrs, mask=col_ok[None, :] & r_ok[:, None], other=0.0)
-            if DOT_FP32:
-                a, b = a.to(tl.float32), b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
+            a = _row_tile(la_ptrs, row_ok, rs, R - r, False, DOT_FP32)
+            acc = tl.dot(a, _col_tile(lb_ptrs, col_ok, rs, R - r, False, DOT_FP32), acc)
             if GLU:
-                b_up = tl.load(lb_ptrs + N * R, mask=col_ok[None, :] & r_ok[:, None], other=0.0)
-                if DOT_FP32:
-                    b_up = b_up.to(tl.float32)
-                acc_up = tl.dot(a, b_up, acc_up)
+                acc_up = tl.dot(a, _col_tile(lb_ptrs + N * R, col_ok, rs, R - r, False, DOT_FP32),
+                                acc_up)
             la_ptrs += BLOCK_R
             lb_ptrs += BLOCK_R
     mask = row_ok[:, None] & col_ok[None, :]
@@ -203,16 +210,8 @@ def _dgrad_act_kernel(g_ptr, w_ptr, offs_ptr, p_ptr, h_ptr, dh_ptr, dp_ptr, gb_p
     b_ptrs = w_ptr + expert.to(tl.int64) * K * N + ks[:, None].to(tl.int64) * N + cols[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
-        else:
-            k_ok = ks < K - k
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        if DOT_FP32:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(_row_tile(a_ptrs, row_ok, ks, K - k, EVEN_K, DOT_FP32),
+                     _col_tile(b_ptrs, col_ok, ks, K - k, EVEN_K, DOT_FP32), acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * N
     if LORA:
@@ -223,12 +222,8 @@ def _dgrad_act_kernel(g_ptr, w_ptr, offs_ptr, p_ptr, h_ptr, dh_ptr, dp_ptr, gb_p
             la_e = la_ptr + expert.to(tl.int64) * R * N
         lb_ptrs = la_e + rs[:, None].to(tl.int64) * N + cols[None, :]
         for r in tl.range(0, R, BLOCK_R, num_stages=1):  # short: not pipelined
-            r_ok = rs < R - r
-            a = tl.load(ga_ptrs, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
-            b = tl.load(lb_ptrs, mask=col_ok[None, :] & r_ok[:, None], other=0.0)
-            if DOT_FP32:
-                a, b = a.to(tl.float32), b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(_row_tile(ga_ptrs, row_ok, rs, R - r, False, DOT_FP32),
+                         _col_tile(lb_ptrs, col_ok, rs, R - r, False, DOT_FP32), acc)
             ga_ptrs += BLOCK_R
             lb_ptrs += BLOCK_R * N
     mask = row_ok[:, None] & col_ok[None, :]
