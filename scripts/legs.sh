@@ -72,9 +72,11 @@ BRIDGE_LIGHT_DEPS="transformers>=5.8,<=5.12.1 omegaconf>=2.3.0 pyyaml tqdm regex
 # Megatron worker's modules import when they are loaded (the experiment loggers
 # nemo_rl.utils.logger imports among them) and those Megatron-Bridge's checkpointing imports
 # (nvidia-modelopt, megatron-energon: no stand-ins for them there), with transformers in NeMo-RL's
-# own bounds (its nemo_rl.models.policy asserts < 5.12). They are resolved against the venv (torch
-# stays the venv's) and what the venv lacks, or has in another version, goes into the folder.
+# own bounds (its nemo_rl.models.policy asserts < 5.12). Resolved against the venv once (torch
+# stays the venv's; nemo_rl_pins), what the venv lacks, or has in another version, is listed in
+# tests/constraints/nemo-rl-0.20.0.txt, and exactly that list goes into the folder.
 NEMO_RL_ARCHIVE=nemo-rl-7ea279ab.tar.gz
+NEMO_RL_LEG=0.20.0
 NEMO_RL_DIR=nemo-rl
 NEMO_RL_LIGHT_DEPS="transformers>=5.8,<5.9 ray pydantic pyzmq nvidia-ml-py fastapi uvicorn hydra-core prometheus_client pillow requests rich datasets wandb mlflow-skinny swanlab tensorboard tensordict nvidia-modelopt megatron-energon"
 # What Megatron-Bridge's training entry imports (`training.finetune`, `training.pretrain` and
@@ -92,6 +94,12 @@ AUTOMODEL_VERSION=0.7.0
 # its MoE experts module imports torch, triton and packaging, and its BackendConfig transformers
 # (above), for tests/integration/automodel/test_automodel.py (install_fp32_combine on its GroupedExperts).
 AUTOMODEL_LIGHT_DEPS="packaging"
+# Every pip install into a venv takes its versions from that venv's constraints file (pip -c):
+# tests/constraints/py3.11.txt (.venv) and py3.12.txt (.venv312), so that a fresh clone builds what
+# the last one did, whatever was released since; NeMo-RL's folder installs the list in
+# tests/constraints/nemo-rl-0.20.0.txt. write_constraints (below) remakes the three files from
+# legs set up without them (after a change of setup.cfg's test extra or of a *_DEPS list above).
+CONSTRAINTS_DIR=tests/constraints
 # The lint (run_tests.sh's first step, once per run; its rules are pyproject.toml's [tool.ruff]):
 # ruff, pinned, installed into the venv of the run's first leg.
 RUFF_VERSION=0.17.6
@@ -135,6 +143,10 @@ find_python() {  # X.Y -> path of a pythonX.Y interpreter (PATH first, then pyen
   done
 }
 
+leg_constraints() {  # leg -> its venv's constraints file
+  echo "$CONSTRAINTS_DIR/py$(leg_python_version "$1").txt"
+}
+
 leg_pythonpath() {  # leg -> the folder holding its megatron-core, or nothing (0.16.1: the venv)
   case "$(leg_python_version "$1")" in
     3.11) ;;
@@ -172,14 +184,16 @@ setup_lint() {  # leg -> ruff==$RUFF_VERSION in the leg's venv (made where missi
   venv=$(leg_venv "$leg")
   if [ "$("$venv/bin/ruff" --version 2>/dev/null)" != "ruff $RUFF_VERSION" ]; then
     echo "[setup lint] installing ruff==$RUFF_VERSION into $venv"
-    "$venv/bin/python" -m pip install -q "ruff==$RUFF_VERSION" || return 1
+    "$venv/bin/python" -m pip install -q -c "$(leg_constraints "$leg")" "ruff==$RUFF_VERSION" \
+      || return 1
   fi
 }
 
 setup_leg() {  # leg -> makes its environment; returns 2 when its interpreter is missing, 3 when
   # its source archives are
-  local leg=$1 version venv target missing
+  local leg=$1 version venv target missing constraints
   version=$(leg_python_version "$leg")
+  constraints=$(leg_constraints "$leg")
   venv=$(leg_venv "$leg")
   missing=$(leg_missing_archives "$leg")
   if [ -n "$missing" ]; then
@@ -203,14 +217,15 @@ setup_leg() {  # leg -> makes its environment; returns 2 when its interpreter is
     fi
     echo "[setup $leg] installing mcore_torch_experts, megatron-core==$leg and the test dependencies"
     rm -f "$venv"/.installed-*
-    "$venv/bin/python" -m pip install -q -e ".[test]" "megatron-core==$leg" || return 1
+    "$venv/bin/python" -m pip install -q -c "$constraints" -e ".[test]" "megatron-core==$leg" \
+      || return 1
     echo "$metadata" > "$stamp"
     return 0
   fi
   # Python 3.12: the package and the test dependencies once, megatron-core per leg in its folder.
   if ! "$venv/bin/python" -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('mcore_torch_experts', 'pytest', 'xdist', 'psutil', 'matplotlib', 'einops', 'yaml', 'omegaconf')))"; then
     echo "[setup $leg] installing mcore_torch_experts and the test dependencies into $venv"
-    "$venv/bin/python" -m pip install -q -e ".[test]"
+    "$venv/bin/python" -m pip install -q -c "$constraints" -e ".[test]" || return 1
     # megatron-core comes from the leg's folder only, never from the venv.
     "$venv/bin/python" -m pip uninstall -q -y megatron-core
   fi
@@ -235,7 +250,7 @@ setup_leg() {  # leg -> makes its environment; returns 2 when its interpreter is
       rm -rf "$wheels" "$build_deps"
       echo "[setup $leg] installing Megatron-Bridge's light dependencies into $venv"
       # shellcheck disable=SC2086
-      "$venv/bin/python" -m pip install -q $BRIDGE_LIGHT_DEPS || return 1
+      "$venv/bin/python" -m pip install -q -c "$constraints" $BRIDGE_LIGHT_DEPS || return 1
     elif [ "$leg" = 0.19.2 ]; then
       # One pip call: both put files under megatron/, and a second --target install would skip it.
       echo "[setup $leg] installing megatron-core==$leg and megatron-bridge==$BRIDGE_VERSION (no dependencies) into $target"
@@ -243,7 +258,7 @@ setup_leg() {  # leg -> makes its environment; returns 2 when its interpreter is
         "megatron-bridge==$BRIDGE_VERSION"
       echo "[setup $leg] installing Megatron-Bridge's light dependencies into $venv"
       # shellcheck disable=SC2086
-      "$venv/bin/python" -m pip install -q $BRIDGE_LIGHT_DEPS
+      "$venv/bin/python" -m pip install -q -c "$constraints" $BRIDGE_LIGHT_DEPS || return 1
     else
       echo "[setup $leg] installing megatron-core==$leg into $target"
       "$venv/bin/python" -m pip install -q --no-deps --target "$target" "megatron-core==$leg"
@@ -258,7 +273,7 @@ setup_leg() {  # leg -> makes its environment; returns 2 when its interpreter is
     echo "[setup $leg] installing nemo-automodel==$AUTOMODEL_VERSION (no dependencies) into $target and its light dependencies into $venv"
     "$venv/bin/python" -m pip install -q --no-deps --target "$target" "nemo-automodel==$AUTOMODEL_VERSION"
     # shellcheck disable=SC2086
-    "$venv/bin/python" -m pip install -q $AUTOMODEL_LIGHT_DEPS
+    "$venv/bin/python" -m pip install -q -c "$constraints" $AUTOMODEL_LIGHT_DEPS
   fi
   # Its own step as well.
   if { [ "$leg" = 0.19.2 ] || [ "$leg" = 0.20.0 ]; } && [ ! -f "$target/.bridge-training" ]; then
@@ -276,7 +291,7 @@ setup_leg() {  # leg -> makes its environment; returns 2 when its interpreter is
 
 setup_nemo_rl() {  # venv folder -> NeMo-RL's source, its recipes and the packages its Megatron
   # worker imports, into folder
-  local venv=$1 folder=$2 report pins
+  local venv=$1 folder=$2
   if [ ! -f "$STACK_DIR/$NEMO_RL_ARCHIVE" ]; then
     echo "[setup 0.20.0] $STACK_DIR/$NEMO_RL_ARCHIVE not found: tests/integration/nemo_rl/test_nemo_rl.py will skip"
     return 0
@@ -288,16 +303,35 @@ setup_nemo_rl() {  # venv folder -> NeMo-RL's source, its recipes and the packag
     || return 1
   tar -xzf "$STACK_DIR/$NEMO_RL_ARCHIVE" -C "$folder/nemo_rl_configs" --strip-components=3 \
     --wildcards '*/examples/configs' || return 1
+  "$venv/bin/python" -m pip install -q --no-deps --target "$folder" \
+    -r "$CONSTRAINTS_DIR/nemo-rl-$NEMO_RL_LEG.txt" || return 1
+  touch "$folder/.complete"
+}
+
+nemo_rl_pins() {  # venv folder -> NEMO_RL_LIGHT_DEPS resolved against the venv: what it lacks
+  local venv=$1 report
   report=$(mktemp)
   # torch pinned to the venv's: none of them may bring another.
   # shellcheck disable=SC2086
   "$venv/bin/python" -m pip install -q --dry-run --report "$report" "torch==$TORCH_VERSION" \
     $NEMO_RL_LIGHT_DEPS || return 1
-  pins=$("$venv/bin/python" -c "import json, sys; print(' '.join(p['metadata']['name'] + '==' + p['metadata']['version'] for p in json.load(open(sys.argv[1]))['install']))" "$report")
+  "$venv/bin/python" -c "import json, sys; print('\n'.join(sorted((p['metadata']['name'] + '==' + p['metadata']['version'] for p in json.load(open(sys.argv[1]))['install']), key=str.lower)))" "$report"
   rm -f "$report"
-  # shellcheck disable=SC2086
-  [ -z "$pins" ] || "$venv/bin/python" -m pip install -q --no-deps --target "$folder" $pins || return 1
-  touch "$folder/.complete"
+}
+
+write_constraints() {  # -> remakes tests/constraints/*.txt from .venv and .venv312 as they are
+  # (set up with the constraints files moved away, so that pip resolves afresh)
+  local python venv file
+  for python in 3.11 3.12; do
+    venv=$([ "$python" = 3.11 ] && echo .venv || echo .venv312)
+    file="$CONSTRAINTS_DIR/py$python.txt"
+    { sed -n '1,/^[^#]/{/^#/p}' "$file"
+      "$venv/bin/python" -m pip freeze --local | grep -v '^-e \|^torch=='; } > "$file.new" \
+      && mv "$file.new" "$file" || return 1
+  done
+  file="$CONSTRAINTS_DIR/nemo-rl-$NEMO_RL_LEG.txt"
+  { sed -n '1,/^[^#]/{/^#/p}' "$file"; nemo_rl_pins .venv312; } > "$file.new" \
+    && mv "$file.new" "$file"
 }
 
 leg_run() {  # leg command... -> runs the command with the leg's python first on the command line
