@@ -1,5 +1,5 @@
-"""torchrun worker: megatron-core 0.20's batch_invariant_mode across expert parallel ranks,
-TorchGroupedMLP experts.
+"""torchrun worker: megatron-core 0.20's batch_invariant_mode across expert parallel (or
+expert-tensor parallel) ranks, TorchGroupedMLP experts.
 
 Every rank holds a probe batch of its own tokens, alone and then among other tokens (7x as many,
 and 32x as many routed mostly onto two experts), and runs the MoE layer of the package's spec in
@@ -8,13 +8,17 @@ a shared and a per-expert LoRA, Megatron's combine): each rank's probe outputs a
 must come out bit for bit the same in every batch, whatever the other ranks hold, and a changed
 probe value must show. On the CPU (gloo) only the mode's flag is set (Megatron's batch-invariant
 kernels need CUDA), as in tests/unit/test_batch_invariance.py; the dispatcher's CUDA streams and
-split sizes get the host stand-ins of support.cpu_support (host_streams). Expert-tensor
-parallelism is left out: the alltoall dispatcher gathers its rows in uneven sizes, which gloo's
-all-gather refuses. Each rank writes `OUT/rank{R}.json`; rank 0 prints one line per adapter; the
-exit status is non-zero on a failure.
+split sizes get the host stand-ins of support.cpu_support (host_streams), as does the uneven
+all-gather of expert-tensor parallelism (`--etp 2`: each rank holds half of every expert, the
+dispatcher gathers both ranks' rows in uneven sizes, which gloo's all-gather refuses and NCCL
+takes; our expert adapters need ETP=1, so the experts run without them there). Each rank writes
+`OUT/rank{R}.json`; rank 0 prints one line per adapter; the exit status is non-zero on a
+failure.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 \
         tests/distributed/batch_invariance_ep.py --ep 2 --out /tmp/bi
+    python -m torch.distributed.run --standalone --nproc_per_node 2 \
+        tests/distributed/batch_invariance_ep.py --ep 1 --etp 2 --out /tmp/bi_etp
 """
 
 import sys
@@ -50,7 +54,7 @@ def mode_settings():
 def layer_in_the_mode(args, pg, adapter):
     from mcore_torch_experts.lora import apply_lora
 
-    config = moe_config("torch", SIZES, "cpu", ep=args.ep, dispatcher="alltoall",
+    config = moe_config("torch", SIZES, "cpu", ep=args.ep, etp=args.etp, dispatcher="alltoall",
                         **mode_settings())
     layer = moe_layer(config, pg, torch.device("cpu"))
     if adapter is None:
@@ -107,6 +111,7 @@ def differences(layer):
 def main():
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--ep", type=int, default=2)
+    parser.add_argument("--etp", type=int, default=1)
     args = parser.parse_args()
     if args.device != "cpu":
         parser.error("--device cpu only (gloo; Megatron's batch-invariant kernels are not turned "
@@ -114,10 +119,13 @@ def main():
     from megatron.core.transformer.custom_layers import batch_invariant_kernels
 
     init_processes("cpu", host_streams=True)
-    pg = init_parallel("cpu", ep=args.ep)
+    pg = init_parallel("cpu", ep=args.ep, etp=args.etp)
     batch_invariant_kernels._batch_invariant_MODE = True  # the flag only: its kernels need CUDA
-    result = dict(rank=dist.get_rank(), layout=f"ep{args.ep}", differences={})
-    for adapter in (None, "shared", "per_expert"):
+    layout = f"ep{args.ep}" + (f" etp{args.etp}" if args.etp > 1 else "")
+    result = dict(rank=dist.get_rank(), layout=layout, differences={})
+    # Our expert adapters need expert_tensor_parallel_size=1 (apply_lora refuses them under
+    # ETP): the experts alone there.
+    for adapter in (None, "shared", "per_expert") if args.etp == 1 else (None,):
         result["differences"][str(adapter)] = differences(layer_in_the_mode(args, pg, adapter))
     write_result(args.out, result)
     gathered = [None] * dist.get_world_size()

@@ -288,27 +288,32 @@ def test_expert_adapters_dist_checkpoint_round_trip_at_ep2(expert_adapters_ep2):
         assert set(rank["reloaded_identical"].values()) == {adapter == "shared"}, where
 
 
-@pytest.fixture(scope="module")
-def batch_invariance_ep2(tmp_path_factory):
+@pytest.fixture(scope="module", params=["ep2", "etp2"])
+def batch_invariance_launch(request, tmp_path_factory):
     pytest.importorskip("megatron.core.transformer.moe.batch_invariant",
                         reason="batch-invariant MoE is megatron-core 0.20's (this leg is older)")
-    return torchrun("batch_invariance_ep.py", 2, ["--ep", "2"],
-                    tmp_path_factory.mktemp("batch_invariance"))
+    args = {"ep2": ["--ep", "2"], "etp2": ["--ep", "1", "--etp", "2"]}[request.param]
+    return torchrun("batch_invariance_ep.py", 2, args,
+                    tmp_path_factory.mktemp(f"batch_invariance_{request.param}"))
 
 
 def test_in_batch_invariant_mode_each_ranks_probe_tokens_are_bitwise_the_same_in_any_batch(
-        batch_invariance_ep2):
-    """megatron-core 0.20's batch_invariant_mode at EP=2 (alltoall dispatcher, its fixed-order
-    unpermute by EP rank then top-k slot, our experts with no adapter, a shared and a per-expert
-    LoRA, Megatron's combine): each rank's probe tokens alone, among 7x others and among 32x
-    others piled onto two experts, the other rank's tokens changing too; outputs and input
-    gradients bit for bit. ETP is left out: the alltoall dispatcher gathers the expert-tensor-
-    parallel rows in uneven sizes, which gloo's all-gather does not take (NCCL does)."""
-    launch = batch_invariance_ep2
+        batch_invariance_launch):
+    """megatron-core 0.20's batch_invariant_mode at EP=2, and at ETP=2 (each rank half of every
+    expert, the rows of both gathered in uneven sizes and the partial outputs reduce-scattered
+    back): alltoall dispatcher, its fixed-order unpermute by EP rank then top-k slot, our experts
+    with no adapter, a shared and a per-expert LoRA (at EP=2; ours need ETP=1), Megatron's
+    combine. Each rank's probe tokens alone, among 7x others and among 32x others piled onto two
+    experts, the other rank's tokens changing too; outputs and input gradients bit for bit. Under
+    gloo the uneven all-gather gets the test side's padded stand-in
+    (support.cpu_support.uneven_all_gather)."""
+    launch = batch_invariance_launch
     ranks = launch.results()
     assert launch.returncode == 0, launch.output[-8000:]
     for rank in ranks:
-        assert set(rank["differences"]) == {"None", "shared", "per_expert"}, rank
+        # our expert adapters need expert_tensor_parallel_size=1: the experts alone at ETP=2
+        adapters = {"None"} if "etp" in rank["layout"] else {"None", "shared", "per_expert"}
+        assert set(rank["differences"]) == adapters, rank
         for adapter, by_context in rank["differences"].items():
             control = by_context.pop("control")
             assert len(by_context) == 3, by_context

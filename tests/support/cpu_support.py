@@ -100,6 +100,12 @@ def megatron_patches(on_cpu: bool, *, host_streams: bool = False,
                 "the alltoall dispatcher hands its split sizes to all_to_all_single as numpy "
                 "arrays, converting only CUDA tensors: on a CPU-only host (expert parallel "
                 "under gloo) they stay tensors, which all_to_all_single refuses"))
+        patches.append(Patch(
+            torch.distributed, "all_gather", uneven_all_gather(torch.distributed.all_gather),
+            "with expert-tensor parallelism the alltoall dispatcher gathers each rank's rows in "
+            "uneven sizes (torch.distributed.all_gather of tensors of different lengths), which "
+            "gloo refuses and NCCL takes: gloo gathers them padded to the longest, and each "
+            "output gets its rows"))
     if recompute_without_te and not hasattr(random, "FP8GlobalStateManager"):
         reason = ("CheckpointWithoutOutput (selective 'layernorm' recompute) asks TE whether FP8 "
                   "is on even when TE is absent: it answers what TE says without FP8")
@@ -109,6 +115,26 @@ def megatron_patches(on_cpu: bool, *, host_streams: bool = False,
                     Patch(random, "activation_recompute_forward", null_context, reason),
                     Patch(random, "fp8_autocast", null_context, reason)]
     return patches
+
+
+def uneven_all_gather(all_gather):
+    """`all_gather` taking outputs of different lengths on gloo, as NCCL does: every input is
+    padded along dim 0 to the longest, gathered, and each output gets its own rows."""
+
+    def gather(tensor_list, tensor, group=None, async_op=False):
+        lengths = [t.shape[0] for t in tensor_list]
+        if len(set(lengths)) <= 1 or tensor.dim() == 0:
+            return all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        longest = max(lengths)
+        padded = tensor.new_zeros(longest, *tensor.shape[1:])
+        padded[:tensor.shape[0]] = tensor
+        gathered = [torch.empty_like(padded) for _ in tensor_list]
+        all_gather(gathered, padded, group=group)
+        for out, got, length in zip(tensor_list, gathered, lengths):
+            out.copy_(got[:length])
+        return None
+
+    return gather
 
 
 class HostStream:
