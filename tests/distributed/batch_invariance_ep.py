@@ -78,7 +78,9 @@ def batch(others_per_probe, skewed):
     probe = torch.Generator().manual_seed(100 + rank)
     probe_x, probe_grad = torch.randn(PROBE_TOKENS, h, generator=probe), torch.randn(
         PROBE_TOKENS, h, generator=probe)
-    others = others_per_probe * PROBE_TOKENS
+    # Rank 1 holds 3 more others: the ranks' batches differ in length too (at ETP=2 the
+    # dispatcher's gather of both ranks' rows is uneven only then: every rank's rows are its own).
+    others = others_per_probe * PROBE_TOKENS + (3 * rank if others_per_probe else 0)
     gen = torch.Generator().manual_seed(1000 * rank + others + skewed)
     x, grad = torch.randn(others + PROBE_TOKENS, h, generator=gen), torch.randn(
         others + PROBE_TOKENS, h, generator=gen)
