@@ -194,7 +194,8 @@ def hooked(modules: Mapping[str, torch.nn.Module]) -> Optional[str]:
 
 class FusedGemmPlan(NamedTuple):
     """One call's verdict on the fused GEMM path (`plan_fused_gemm`): the expert linears as the
-    kernels see them, read once, and why the path cannot run (None: it can)."""
+    kernels see them, read once (where the path cannot run, those read up to the obstacle), and
+    why it cannot run (None: it can)."""
 
     views: Tuple[FusedAdapter, ...]
     obstacle: Optional[str]
@@ -207,8 +208,10 @@ def plan_fused_gemm(linears: Sequence[torch.nn.Module], linear_type: type,
     `linears`' own calls): each linear must be a plain `linear_type` without hooks, or an adapter
     wrapper around one that a reader of ADAPTER_READERS says the kernels compute, and the input
     on CUDA (or under triton's interpreter). The forward uses the views it returns."""
-    views = tuple(read_fused_adapter(linear, linear_type, hidden) for linear in linears)
-    for name, linear, view in zip(("linear_fc1", "linear_fc2"), linears, views):
+    views = []
+    for name, linear in zip(("linear_fc1", "linear_fc2"), linears):
+        view = read_fused_adapter(linear, linear_type, hidden)
+        views.append(view)
         reason = None
         if view.base is None:
             reason = (f"{name} is a {type(linear).__name__}, an adapter wrapper or module it "
@@ -218,17 +221,17 @@ def plan_fused_gemm(linears: Sequence[torch.nn.Module], linear_type: type,
         elif view.obstacle is not None:
             reason = f"{name}'s {view.obstacle}"
         if reason is not None:
-            return FusedGemmPlan(views, (
+            return FusedGemmPlan(tuple(views), (
                 "moe_expert_kernel='fused_gemm' runs the packed expert weights directly, but "
                 f"linear_fc1/linear_fc2 carry adapters or hooks that it would skip ({reason});"
                 " set moe_expert_kernel='grouped_mm' or 'auto' for such adapters or hooks on "
                 "the experts."))
     if not hidden.is_cuda and not TRITON_INTERPRETER:
-        return FusedGemmPlan(views, (
+        return FusedGemmPlan(tuple(views), (
             f"moe_expert_kernel='fused_gemm' runs Triton kernels on CUDA tensors; the "
             f"input is on {hidden.device}. Move the module to CUDA or set "
             "moe_expert_kernel='grouped_mm' or 'auto'."))
-    return FusedGemmPlan(views, None)
+    return FusedGemmPlan(tuple(views), None)
 
 
 def fused_gemm_obstacle(linears: Sequence[torch.nn.Module], linear_type: type,
