@@ -11,7 +11,7 @@ writes a table: ms per iteration (median and range), tokens/s, losses.
     python3 benchmarks/bridge_finetune_run.py --out-dir OUT [--iters 12] [--expert-adapters shared]
 
 One torchrun per phase (`--phase NAME` runs it in the worker); scripts/gpu_client_routes.sh
-installs what Bridge's training modules import and runs this.
+runs this where Bridge and what its training modules import (nvidia-resiliency-ext) are installed.
 """
 
 import argparse

@@ -23,7 +23,9 @@ than that worker's own two logprob passes do (each arm's repeated pass is report
 
     python3 benchmarks/nemo_rl_run.py --out-dir OUT [--steps 6] [--arms ...]
 
-scripts/gpu_client_routes.sh installs the stack (wheels, NeMo-RL's source) and runs this.
+scripts/gpu_client_routes.sh runs this in the environment it finds: megatron-core 0.20.0,
+Megatron-Bridge 0.7.0 and NeMo-RL main (a checkout on PYTHONPATH, or NEMO_RL_CONFIGS naming its
+examples/configs) with what its Megatron policy worker imports.
 """
 
 import argparse
@@ -267,11 +269,11 @@ def state_differences(trained: dict, resumed: dict) -> dict:
 
 
 def nemo_rl_configs() -> Path:
-    """NeMo-RL's examples/configs (unpacked beside its package, or NEMO_RL_CONFIGS)."""
+    """NeMo-RL's examples/configs: NEMO_RL_CONFIGS, else beside its package as in its checkout."""
     import nemo_rl
 
     return Path(os.environ.get("NEMO_RL_CONFIGS",
-                               Path(nemo_rl.__file__).parents[1] / "nemo_rl_configs"))
+                               Path(nemo_rl.__file__).parents[1] / "examples" / "configs"))
 
 
 def run_arm(arm: str, out: Path, args) -> dict:

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# NeMo Automodel's GroupedExperts and the FP32 combine on the device machine (H200), from the
-# repository root, with `.whl-automodel` carried (the nemo-automodel 0.7.0 wheel, installed
-# without its dependencies: its experts module needs torch, triton and packaging, which that
-# machine has; no Megatron-Core needed):
+# NeMo Automodel's GroupedExperts and the FP32 combine on one GPU, from the repository root, with
+# nemo-automodel 0.7.0 importable (its experts module needs torch, triton and packaging; no
+# Megatron-Core needed; `pip install --no-deps nemo-automodel==0.7.0` is enough):
 #   bash scripts/gpu_automodel.sh OUT_DIR [automodel_combine_bench.py options, e.g. --tokens 16384]
 # Runs benchmarks/automodel_combine_bench.py (time and peak memory of shipped, the fork's loop and
 # fp32_combine; the FP64 check and run-to-run reproducibility), fails when an error against FP64
@@ -15,7 +14,7 @@ cd "$(dirname "$0")/.."
 out="${1:?usage: scripts/gpu_automodel.sh OUT_DIR [benchmark options]}/automodel"
 shift
 source scripts/gpu_env.sh
-gpu_env .whl-automodel || exit 1
+gpu_env || exit 1
 mkdir -p "$out/near_oom"
 python3 benchmarks/automodel_combine_bench.py --out-dir "$out" "$@" 2>&1 | tee "$out/log.txt"
 python3 - "$out/automodel_combine_bench.json" <<'EOF' | tee -a "$out/log.txt"

@@ -3,8 +3,7 @@
 #   bash scripts/gpu_bench.sh "$OUT" [bench_experts.py options, e.g. --quick --shapes super-ep4]
 #   bash scripts/gpu_bench.sh "$OUT" cycle [bench_cycle.py options, e.g. --slices qwen3-30b-a3b:4]
 #   (the cycle on the local spec, no Transformer Engine; with TE: scripts/gpu_bench_cycle.sh)
-# python3 must import torch (CUDA), triton and megatron-core (installed, or a wheel in .whl/ on a
-# machine without network: scripts/gpu_env.sh). Results (markdown, JSON, plots) and the log land
+# python3 must import torch (CUDA), triton and megatron-core. Results (markdown, JSON, plots) and the log land
 # in the given folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The RL cycle on the Transformer Engine stack, on one H200, from the repository root:
 #   bash scripts/gpu_bench_cycle.sh "$OUT" [more bench_cycle.py options]
-# Expects Transformer Engine, megatron-core 0.19 and megatron-bridge 0.6 installed (or wheels in
-# .whl/ on a machine without network: scripts/gpu_env.sh). First the CPU-sized smoke
+# Expects Transformer Engine, megatron-core 0.19 and megatron-bridge 0.6 installed. First the CPU-sized smoke
 # (tests/test_bench_smoke.py, which on a CUDA host with TE runs the tiny TE-stack arms, a minute),
 # then the benchmark: the Super-like slice first (the headline), then Qwen3-30B-A3B at 4 and 16 MoE
 # layers (16 layers: 3 measured rounds, not profiled). SKIP_SMOKE=1 leaves the smoke out;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The single-GPU checks, from the repository root, with megatron-core installed (and for the
-# Bridge tests megatron-bridge; or wheels in .whl/ on a machine without network: scripts/gpu_env.sh):
+# Bridge tests megatron-bridge):
 #   bash scripts/gpu_checks.sh OUT_DIR
 # Runs the CUDA tests (bf16 parity, no host syncs, fused activation, the flex dispatcher contract
 # (megatron-core 0.19), the FP32-combine layer with

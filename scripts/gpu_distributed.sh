@@ -9,8 +9,7 @@
 # TEGroupedMLP across layouts); without it those rows say skipped, and why (REQUIRE_TE=1: fail).
 #
 # Run from the repository root with megatron-core (and TE for the TE rows) importable and the
-# repository on PYTHONPATH (on a machine without network, `source scripts/gpu_env.sh && gpu_env`
-# installs the wheels in .whl/ and sets it):
+# repository on PYTHONPATH (`source scripts/gpu_env.sh && gpu_env` puts it there):
 #   bash scripts/gpu_distributed.sh
 # OUT_DIR (default a fresh /tmp folder) receives the logs and each rank's JSON; LAUNCH_TIMEOUT
 # (default 300 s) bounds each torchrun launch. Prints one parity table; exits non-zero if any

@@ -2,8 +2,8 @@
 # Megatron-LM's own pretrain_gpt.py on a GPU with Transformer Engine, as docs/enable.md says to
 # run it: the documented flags against TEGroupedMLP (benchmarks/megatron_lm_run.py).
 #   bash scripts/gpu_megatron_lm.sh OUT_DIR [megatron_lm_run.py options]
-# The Megatron-LM checkout is made from what a user has: the installed megatron-core (or the wheel
-# in .whl/ on a machine without network: scripts/gpu_env.sh) and Megatron-LM's repo-root scripts
+# The Megatron-LM checkout is made from what a user has: the installed megatron-core and
+# Megatron-LM's repo-root scripts
 # of that release (tests/integration/megatron_lm/third_party/megatron_lm/: core_r0.19.0 for 0.19.x, 0.20.0 for 0.20.x),
 # with the dataset helpers' Makefile. python3 must import torch (CUDA) and TE.
 set -uo pipefail

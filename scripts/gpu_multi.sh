@@ -7,8 +7,7 @@
 # torchrun: arms te, te-cutlass, torch interleaved, the Super-like slice with 128 experts per rank,
 # then Qwen3-30B-A3B; median and range, peak memory of the highest rank).
 #
-# python3 must import torch (CUDA), Transformer Engine, megatron-core 0.19 and megatron-bridge 0.6
-# (installed, or wheels in .whl/ on a machine without network: scripts/gpu_env.sh):
+# python3 must import torch (CUDA), Transformer Engine, megatron-core 0.19 and megatron-bridge 0.6:
 #   bash scripts/gpu_multi.sh "$OUT" [more bench_cycle.py options]
 # Writes "$OUT/summary.txt" (the parity output and the cycle report) and "$OUT/gpu_multi.tar.gz"
 # (every log and rank's JSON, the cycle's results.md, results.json and log). BUDGET_S (default

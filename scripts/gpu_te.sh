@@ -11,9 +11,7 @@
 # python3 must import torch (CUDA), Transformer Engine (pip install .[te], or NVIDIA's PyTorch
 # container, which ships it; checked with 2.20.2), megatron-core 0.19 (scripts/gpu_te_legs.sh
 # runs the TE tests on 0.16 to 0.18), megatron-bridge 0.6 for Bridge's tests (they skip without
-# it), pytest and pytest-xdist (both in pip install .[te,test]). A machine without network can bring wheels
-# instead: those in .whl/ are installed into /tmp/site first, and /tmp/te/site (TE installed
-# there) and /tmp/site go on PYTHONPATH, each only where it exists.
+# it), pytest and pytest-xdist (both in pip install .[te,test]).
 set -uo pipefail
 # torch's deterministic cuBLAS (tests/unit/test_batch_invariance.py's deterministic-algorithms arms) needs
 # the workspace pinned before CUDA starts.

@@ -7,12 +7,9 @@
 # megatron-bridge 0.6 needs megatron-core 0.19, so Bridge's tests skip on these legs, saying so.
 #
 # python3 must import torch (CUDA) and Transformer Engine (pip install .[te], or NVIDIA's PyTorch
-# container; checked with 2.20.2), pytest and pytest-xdist. Each leg's megatron-core wheel comes
-# from .whl-legs/ where it is there, else from the package index (pip install --no-deps
-# megatron-core==LEG --target /tmp/site-LEG). A machine without network gets the wheels from
-# .whl-legs/ (git-ignored; Python 3.12 wheels, about 6 MB), filled on a machine with network by
-#   bash scripts/gpu_te_legs.sh --fetch
-# and TE from /tmp/te/site, which goes on PYTHONPATH where it exists.
+# container; checked with 2.20.2), pytest and pytest-xdist. Each leg's megatron-core comes from
+# pip (pip install --no-deps megatron-core==LEG --target /tmp/site-LEG; pip's own settings apply,
+# PIP_FIND_LINKS and PIP_NO_INDEX for wheels on disk).
 # LEG_TIMEOUT (default 540 s) bounds each leg: on an H200 the three legs side by side took 7 min
 # 20 s; under a tighter limit run fewer legs per call. Every test's result is logged as it ends
 # (pytest -v), and the timeout interrupts pytest (SIGINT) so that it still prints its summary: a
@@ -20,19 +17,7 @@
 # Prints them and one summary line per leg; exits non-zero when a leg fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if [ "${1:-}" = --fetch ]; then
-  source scripts/legs.sh
-  python312=$(find_python 3.12)
-  [ -n "$python312" ] || { echo "gpu_te_legs --fetch: no Python 3.12 here"; exit 1; }
-  mkdir -p .whl-legs
-  for leg in 0.16.1 0.17.1 0.18.2; do
-    "$python312" -m pip download -q --no-deps --only-binary :all: --python-version 3.12 \
-      --platform manylinux_2_28_x86_64 -d .whl-legs "megatron-core==$leg" || exit 1
-  done
-  ls .whl-legs
-  exit 0
-fi
-out="${1:?usage: scripts/gpu_te_legs.sh OUT_DIR [LEGS] [-- pytest files] | --fetch}"
+out="${1:?usage: scripts/gpu_te_legs.sh OUT_DIR [LEGS] [-- pytest files]}"
 shift
 legs=()
 while [ $# -gt 0 ] && [ "$1" != -- ]; do legs+=("$1"); shift; done
@@ -46,29 +31,19 @@ files=("$@")
   tests/unit/megatron/test_moe_layer.py)
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-# TE installed into /tmp/te/site (a machine without network) goes in front of every leg's path.
-te_path="" check_path=${PYTHONPATH:-}
-if [ -d /tmp/te/site ]; then te_path=/tmp/te/site: check_path=/tmp/te/site; fi
-PYTHONPATH="$check_path" python3 -c \
-  "import transformer_engine as te; print('Transformer Engine', te.__version__)" 2>/dev/null \
+python3 -c "import transformer_engine as te; print('Transformer Engine', te.__version__)" 2>/dev/null \
   | tail -n 1 | grep -q "Transformer Engine" \
   || { echo "gpu_te_legs: Transformer Engine does not import" \
          "(pip install .[te], or NVIDIA's PyTorch container)"; exit 1; }
 for leg in "${legs[@]}"; do
-  wheel=$(ls .whl-legs/megatron_core-"$leg"-*.whl 2>/dev/null | head -n 1)
-  if [ -n "$wheel" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target "/tmp/site-$leg" "$wheel" || exit 1
-  else
-    python3 -m pip install -q --no-deps --no-compile --no-cache-dir --upgrade \
-      --target "/tmp/site-$leg" "megatron-core==$leg" \
-      || { echo "gpu_te_legs: megatron-core $leg neither in .whl-legs (--fetch) nor installable"; exit 1; }
-  fi
+  python3 -m pip install -q --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "/tmp/site-$leg" "megatron-core==$leg" \
+    || { echo "gpu_te_legs: pip cannot install megatron-core $leg"; exit 1; }
 done
 pids=()
 for leg in "${legs[@]}"; do
   (
-    export PYTHONPATH="$te_path/tmp/site-$leg:$PWD"
+    export PYTHONPATH="/tmp/site-$leg${PYTHONPATH:+:$PYTHONPATH}:$PWD:$PWD/tests"
     python3 -W ignore -c "import megatron.core as m, transformer_engine as te, torch; \
 print(f'[te leg {m.__version__}] torch {torch.__version__}, Transformer Engine {te.__version__}')"
     timeout -s INT -k 30 "${LEG_TIMEOUT:-540}" python3 -m pytest -v -p no:cacheprovider -rfEs -n 4 \

@@ -66,8 +66,8 @@ BRIDGE_LIGHT_DEPS="transformers>=5.8,<=5.12.1 omegaconf>=2.3.0 pyyaml tqdm regex
 # (NEMO_RL_DIR), which only that test's worker process puts on its path: the leg's other tests keep
 # the leg's packages. NeMo-RL's pyproject declares Python >=3.13.14 and lists only the top-level
 # package (`packages = ["nemo_rl"]`: a wheel built from it holds 7 files; uv installs it editable),
-# so its source tree `nemo_rl/` and its recipes `examples/configs/` (as `nemo_rl_configs/`) are
-# unpacked there; its code imports on Python 3.12. Its dependencies include CUDA-only packages
+# so its source tree `nemo_rl/` and its recipes `examples/configs/` are unpacked there as in its
+# checkout; its code imports on Python 3.12. Its dependencies include CUDA-only packages
 # (vllm, transformer-engine, nixl, ...), so it is installed without them; these are the ones its
 # Megatron worker's modules import when they are loaded (the experiment loggers
 # nemo_rl.utils.logger imports among them) and those Megatron-Bridge's checkpointing imports
@@ -298,11 +298,9 @@ setup_nemo_rl() {  # venv folder -> NeMo-RL's source, its recipes and the packag
   fi
   echo "[setup 0.20.0] unpacking NeMo-RL ($NEMO_RL_ARCHIVE) and installing the packages its Megatron worker imports into $folder"
   rm -rf "$folder"
-  mkdir -p "$folder/nemo_rl_configs"
+  mkdir -p "$folder"
   tar -xzf "$STACK_DIR/$NEMO_RL_ARCHIVE" -C "$folder" --strip-components=1 --wildcards '*/nemo_rl' \
-    || return 1
-  tar -xzf "$STACK_DIR/$NEMO_RL_ARCHIVE" -C "$folder/nemo_rl_configs" --strip-components=3 \
-    --wildcards '*/examples/configs' || return 1
+    '*/examples/configs' || return 1
   "$venv/bin/python" -m pip install -q --no-deps --target "$folder" \
     -r "$CONSTRAINTS_DIR/nemo-rl-$NEMO_RL_LEG.txt" || return 1
   touch "$folder/.complete"

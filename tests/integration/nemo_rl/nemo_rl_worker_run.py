@@ -47,9 +47,9 @@ def policy_config(hf_path: Path, peft: bool) -> dict:
     from omegaconf import OmegaConf
 
     register_omegaconf_resolvers()
-    # NeMo-RL's examples/configs, unpacked beside its package by scripts/legs.sh.
+    # NeMo-RL's examples/configs, beside its package as in its checkout (scripts/legs.sh).
     configs = Path(os.environ.get("NEMO_RL_CONFIGS",
-                                  Path(nemo_rl.__file__).parents[1] / "nemo_rl_configs"))
+                                  Path(nemo_rl.__file__).parents[1] / "examples" / "configs"))
     policy = OmegaConf.to_container(load_config(str(configs / NEMO_RL_CONFIG)), resolve=True)[
         "policy"]
     ours = yaml.safe_load(snippet("nemo-rl-config"))["policy"]

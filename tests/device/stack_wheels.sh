@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Prepares, on a machine with network, the wheels scripts/gpu_client_routes.sh installs on a GPU
-# machine without network (Python 3.12, x86-64), one folder per stack, in .whl/ (git-ignored):
+# Prepares, on a machine with network, the wheels the project's GPU machine (no network; Python
+# 3.12, x86-64) installs (tests/device/offline.sh), one folder per stack, in .whl/ (git-ignored):
 #   .whl/mc019   megatron-core 0.19.2, megatron-bridge 0.6.2
 #   .whl/mc020   megatron-core 0.20.0 and megatron-bridge 0.7.0, built from the source archives
 #                NeMo-RL main pins (../shared/stacks/nemo-rl-main, or MCORE_TORCH_EXPERTS_STACK_DIR)
@@ -9,19 +9,28 @@
 #   .whl/nrl     what NeMo-RL's Megatron policy worker imports (as the 0.20.0 leg installs it), with
 #                transformers in NeMo-RL's bounds, and NeMo-RL's source (nemo_rl/, examples/configs/)
 # Then packs them into .whl/parts/pN (58 MB each): a device call carries at most 64 MiB.
-#   bash scripts/gpu_stack_wheels.sh
+#   bash tests/device/stack_wheels.sh
+# With --legs, only the megatron-core wheels of scripts/gpu_te_legs.sh's legs, into .whl-legs/
+# (there: PIP_NO_INDEX=1 PIP_FIND_LINKS=.whl-legs bash scripts/gpu_te_legs.sh OUT).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 source scripts/legs.sh
 python=$(find_python 3.12)
-[ -n "$python" ] || { echo "gpu_stack_wheels: needs Python 3.12 (pip wheel of megatron-core 0.20.0)"; exit 1; }
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+[ -n "$python" ] || { echo "stack_wheels: needs Python 3.12 (pip wheel of megatron-core 0.20.0)"; exit 1; }
+if [ "${1:-}" = --legs ]; then
+  for leg in 0.16.1 0.17.1 0.18.2; do
+    "$python" -m pip download -q --no-deps --only-binary :all: --python-version 3.12 \
+      --platform manylinux_2_28_x86_64 -d .whl-legs "megatron-core==$leg"
+  done
+  ls .whl-legs
+  exit 0
+fi
 platform=(--only-binary=:all: --python-version 3.12 --implementation cp)
 for tag in 2_39 2_35 2_34 2_31 2_28 2_27 2_24 2_17 2_5; do
   platform+=(--platform "manylinux_${tag}_x86_64")
 done
 platform+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform linux_x86_64)
-# What the H200 image ships already: left out of the wheels (the GPU scripts install a carried
+# What the H200 image ships already: left out of the wheels (install_stack installs a carried
 # wheel only where the machine lacks its distribution).
 ON_IMAGE="absl-py aiohappyeyeballs aiohttp aiosignal attrs charset-normalizer cloudpickle frozenlist
 grpcio markdown msgpack multidict ninja nvidia-ml-py pandas prometheus-client propcache protobuf
