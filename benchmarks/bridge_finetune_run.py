@@ -51,6 +51,8 @@ PHASES = {
     "torch-first-half": ("torch", "half", None, "lora_split"),
     "torch-resumed": ("torch", None, "lora_split", "lora_split"),
 }
+ARM_NAMES = {"te": "stock", "te-cutlass": "stock, NVTE_USE_CUTLASS_GROUPED_GEMM=1",
+             "torch": "ours"}
 
 
 def config(phase: str, out: Path, iters: int, expert_adapters: str):
@@ -185,7 +187,8 @@ def main() -> None:
         timed = [s["ms"] for s in steps[args.skip:]]
         median = statistics.median(timed)
         te_median = statistics.median(s["ms"] for s in te[args.skip:])
-        rows.append([results[phase]["model"]["experts"], f"{median:.1f} ({min(timed):.1f}–"
+        rows.append([ARM_NAMES[phase], ", ".join(results[phase]["model"]["experts"]),
+                     f"{median:.1f} ({min(timed):.1f}–"
                      f"{max(timed):.1f})", f"{tokens / median * 1e3:,.0f}",
                      harness.fmt(te_median / median, ".2f"),
                      f"{steps[0]['loss']:.4f} → {steps[-1]['loss']:.4f}",
@@ -198,7 +201,7 @@ def main() -> None:
                   f"{args.expert_adapters} expert adapters")
     body = [f"{args.iters} iterations per arm, the first {args.skip} not timed; ms per iteration "
             "from Bridge's train-step callbacks (synchronised), median (min–max).", ""]
-    body += harness.markdown_table(["experts", "ms / iteration", "tokens/s", "x TEGroupedMLP",
+    body += harness.markdown_table(["arm", "experts", "ms / iteration", "tokens/s", "x TEGroupedMLP",
                                     "loss, first → last", "peak GiB", "trained tensors",
                                     "expert weights trained"], rows)
     body += ["", f"max rel. loss difference, TorchGroupedMLP vs TEGroupedMLP: {loss_diff:.1e}",

@@ -14,19 +14,20 @@
 #                    save, resume (benchmarks/nemo_rl_run.py)         what it pins: megatron-core
 #                                                                     0.20.0, Bridge 0.7.0
 #
-#   bash scripts/gpu_client_routes.sh OUT_DIR [route ...]
-# Default: megatron-lm and bridge-finetune, and nemo-rl where NeMo-RL imports. Each route's
+#   bash scripts/gpu_client_routes.sh OUT_DIR [route[@version] ...]
+# Default: megatron-lm and bridge-finetune, and nemo-rl where NeMo-RL imports. A route named with
+# a version (bridge-finetune@0.20.0) runs only where that megatron-core is installed. Each route's
 # results land in OUT_DIR/<route>@<megatron-core version>: run it once per environment (say
 # megatron-core 0.19.2 with Bridge 0.6.2, then NeMo-RL's pins) into one OUT_DIR for one table.
 # Each route's options: MEGATRON_LM_OPTIONS, BRIDGE_FINETUNE_OPTIONS, NEMO_RL_OPTIONS.
 # python3 must import torch (CUDA), Transformer Engine and the route's stack.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${1:?usage: scripts/gpu_client_routes.sh OUT_DIR [route ...]}"
+out="${1:?usage: scripts/gpu_client_routes.sh OUT_DIR [route[@version] ...]}"
 shift
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/tests" PYTHONUNBUFFERED=1
-version=$(python3 -c "import megatron.core as m; print(m.__version__)" 2>/dev/null | tail -n 1)
+version=$(python3 -c "import megatron.core as m; print(m.__version__.split('+')[0])" 2>/dev/null | tail -n 1)
 [ -n "$version" ] || { echo "gpu_client_routes: megatron-core does not import"; exit 1; }
 if [ $# -eq 0 ]; then
   set -- megatron-lm bridge-finetune
@@ -34,6 +35,19 @@ if [ $# -eq 0 ]; then
 fi
 status=0
 for route in "$@"; do
+  if [ "$route" != "${route%@*}" ]; then
+    if [ "${route#*@}" != "$version" ]; then
+      echo "gpu_client_routes: $route asks for megatron-core ${route#*@}, but $version is installed:" \
+        "install that stack (docs/enable.md) or name the route without @"
+      status=1
+      continue
+    fi
+    route=${route%@*}
+  fi
+  case "$route" in
+    megatron-lm|bridge-finetune|nemo-rl) ;;
+    *) echo "gpu_client_routes: no route $route (megatron-lm, bridge-finetune, nemo-rl)"; status=1; continue ;;
+  esac
   dir="$out/$route@$version"
   mkdir -p "$dir"
   echo "===== $route on megatron-core $version ====="
@@ -46,7 +60,6 @@ for route in "$@"; do
       bridge-finetune) python3 benchmarks/bridge_finetune_run.py --out-dir "$dir" ${BRIDGE_FINETUNE_OPTIONS:-} ;;
       # shellcheck disable=SC2086
       nemo-rl) python3 benchmarks/nemo_rl_run.py --out-dir "$dir" ${NEMO_RL_OPTIONS:-} ;;
-      *) echo "gpu_client_routes: no route $route (megatron-lm, bridge-finetune, nemo-rl)"; exit 2 ;;
     esac
   ) 2>&1 | tee "$dir/run.log"
   echo "${PIPESTATUS[0]}" > "$dir/exit"

@@ -1,5 +1,7 @@
 """The README's two commands (scripts/run_tests.sh, scripts/run_example.sh) as a user runs them:
-their summaries and their setup on a second call."""
+their summaries and their setup on a second call; the client routes' script refusing, before any
+run, a route it does not know and a route asked for on another megatron-core than the one
+installed."""
 
 import os
 import subprocess
@@ -46,3 +48,20 @@ def test_run_example_installs_once_then_starts_at_once():
         "dependencies: installed already" in run.stdout
     assert "installing" not in run.stdout
     assert run.stdout.count("usage: finetune_lora.py") == 1
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11),
+                    reason="the refusals do not depend on the leg: run on 0.16.1's")
+def test_client_routes_refuse_an_unknown_route_and_another_stack_before_running(tmp_path):
+    other = "0.19.2" if LEG != "0.19.2" else "0.20.0"
+    run = bash("gpu_client_routes.sh", str(tmp_path), f"bridge-finetune@{other}", "nonsense",
+               env={"PYTHONPATH": os.pathsep.join(sys.path),   # the leg's python3 and packages
+                    "PATH": os.pathsep.join([str(Path(sys.executable).parent),
+                                             os.environ.get("PATH", "")])})
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    assert (f"gpu_client_routes: bridge-finetune@{other} asks for megatron-core {other}, but "
+            f"{LEG} is installed: install that stack (docs/enable.md) or name the route "
+            "without @") in run.stdout
+    assert "gpu_client_routes: no route nonsense (megatron-lm, bridge-finetune, nemo-rl)" \
+        in run.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["client_routes.md"]   # nothing ran

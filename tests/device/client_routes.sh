@@ -20,7 +20,7 @@ for route_stack in "$@"; do
   mkdir -p "$out/install"
   install_stack "$stack" 2>&1 | tee -a "$out/install/$stack.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "[$route_stack] install failed"; status=1; continue; }
-  PYTHONPATH=$(stack_path "$stack") bash scripts/gpu_client_routes.sh "$out" "${route_stack%@*}" \
+  PYTHONPATH=$(stack_path "$stack") bash scripts/gpu_client_routes.sh "$out" "$route_stack" \
     || status=1
 done
 exit "$status"
