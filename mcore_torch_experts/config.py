@@ -201,7 +201,11 @@ def check_batch_invariant_mode(config: TransformerConfig,
     (the first with a batch-invariant MoE unpermute and router) and its requirements for the
     mode (BATCH_INVARIANT_REQUIREMENTS); a field this Megatron-Core lacks reads as unset. The FP32
     combine's part is validate_fp32_combine_config's. `settings`: the config's, where read."""
-    if not (settings or ExpertSettings.read(config)).batch_invariant:
+    _check_batch_invariant(config, settings or ExpertSettings.read(config))
+
+
+def _check_batch_invariant(config: TransformerConfig, settings: ExpertSettings) -> None:
+    if not settings.batch_invariant:
         return
     release = _compat.megatron_core_release()
     if release < BATCH_INVARIANT_MIN_RELEASE:
@@ -214,17 +218,25 @@ def check_batch_invariant_mode(config: TransformerConfig,
             _refuse(field, getattr(config, field), fix, "batch_invariant_mode=True")
 
 
-def _check_supported_settings(config: TransformerConfig, settings: ExpertSettings) -> None:
+def _refuse_outright(config: TransformerConfig, settings: ExpertSettings) -> None:
+    """The torch backend's refusals that go before Megatron's own checks of the same settings
+    (fp8 without Transformer Engine, inference-optimized layers, say), whose messages do not
+    name the fix."""
+    refuse_transformer_impl(config, "moe_expert_gemm_backend='torch'")
+    refuse_unsupported_flags(vars(config))
+    _check_batch_invariant(config, settings)
+
+
+def _check_torch_experts(config: TransformerConfig, ep_size: Optional[int] = None,
+                         etp_size: Optional[int] = None) -> None:
+    """The rest of validate_torch_experts_config: what the torch backend needs of the model."""
     if config.num_moe_experts is None:
         _refuse("num_moe_experts", None,
                 "it builds MoE experts only; set num_moe_experts, or leave the backend at "
                 "'transformer_engine' for dense models.")
     if not config.moe_grouped_gemm:
         _refuse("moe_grouped_gemm", False, "set moe_grouped_gemm=True.")
-    refuse_transformer_impl(config, "moe_expert_gemm_backend='torch'")
-    refuse_unsupported_flags(vars(config))
     _refuse_te_activation_mismatch(config)
-    check_batch_invariant_mode(config, settings)
     dtype = config.params_dtype
     if dtype == torch.float16 or (dtype != torch.bfloat16 and not config.use_cpu_initialization):
         _refuse("params_dtype", dtype,
@@ -242,6 +254,9 @@ def _check_supported_settings(config: TransformerConfig, settings: ExpertSetting
         _refuse("moe_apply_probs_on_input", True,
                 f"it needs moe_router_topk=1 (got {config.moe_router_topk}); set "
                 "moe_router_topk=1 or moe_apply_probs_on_input=False.")
+    ep = ep_size if ep_size is not None else config.expert_model_parallel_size
+    etp = etp_size if etp_size is not None else (config.expert_tensor_parallel_size or 1)
+    _check_shapes(config, ep, etp)
 
 
 def _check_shapes(config: TransformerConfig, ep_size: int, etp_size: int) -> None:
@@ -301,10 +316,8 @@ def validate_torch_experts_config(config: TransformerConfig, ep_size: Optional[i
     A config without the `moe_expert_gemm_backend` field counts as asking for "torch".
     `settings`: the config's (`ExpertSettings.read`, which checks the fields' values), where read.
     """
-    _check_supported_settings(config, settings or ExpertSettings.read(config))
-    ep = ep_size if ep_size is not None else config.expert_model_parallel_size
-    etp = etp_size if etp_size is not None else (config.expert_tensor_parallel_size or 1)
-    _check_shapes(config, ep, etp)
+    _refuse_outright(config, settings or ExpertSettings.read(config))
+    _check_torch_experts(config, ep_size, etp_size)
 
 
 COMBINE_DISPATCHERS = ("allgather", "alltoall")
@@ -316,14 +329,19 @@ def validate_fp32_combine_config(config: TransformerConfig,
     """Refuse settings under which the FP32 top-k combine cannot run as asked; `setting` is
     what asked for it (a launcher entry point names itself); `settings`: the config's, where
     read."""
-    settings = settings or ExpertSettings.read(config)
+    refuse_transformer_impl(config, setting)
+    _check_fp32_combine(config, setting, settings or ExpertSettings.read(config))
+
+
+def _check_fp32_combine(config: TransformerConfig, setting: str,
+                        settings: ExpertSettings) -> None:
+    """validate_fp32_combine_config but its transformer_impl check."""
 
     def refuse(field, value, fix):
         _refuse(field, value, fix, setting)
 
     if config.num_moe_experts is None:
         refuse("num_moe_experts", None, "it combines MoE expert outputs; set moe_combine_in_fp32=False.")
-    refuse_transformer_impl(config, setting)
     if config.moe_token_dispatcher_type not in COMBINE_DISPATCHERS:
         refuse("moe_token_dispatcher_type", config.moe_token_dispatcher_type,
                f"use one of {COMBINE_DISPATCHERS}.")
@@ -362,23 +380,29 @@ def spec_choice(config: TransformerConfig, spec_kwargs: Optional[Mapping[str, ob
     A launcher `entry_point` (named by import path) first refuses this package's settings held
     as plain attributes and transformer_impl="inference_optimized"; `entry_point_combines`: it
     asks for the FP32 combine itself. Otherwise `moe_combine_in_fp32` asks for it."""
-    if entry_point is not None:
-        refuse_unrecorded_settings(config, entry_point)
-        refuse_transformer_impl(config, entry_point)
     settings = ExpertSettings.read(config)
     backend = settings.gemm_backend or experts_absent
     check_backend(backend)
+    if entry_point is not None:
+        refuse_unrecorded_settings(config, entry_point)
+        refuse_transformer_impl(config, entry_point)
     torch_experts = backend == ExpertGemmBackend.TORCH
-    if torch_experts:
-        validate_torch_experts_config(config, settings=settings)
-        refuse_unsupported_flags(spec_kwargs or {})
-        refuse_spec_arguments(spec_kwargs or {})
     if entry_point_combines:
         combine = entry_point
     else:
         combine = "moe_combine_in_fp32=True" if settings.combine_in_fp32 else None
+    if entry_point is None and (torch_experts or combine is not None):
+        refuse_transformer_impl(config, "moe_expert_gemm_backend='torch'" if torch_experts
+                                else combine)
+    if torch_experts:
+        _check_batch_invariant(config, settings)
+        _check_torch_experts(config)
     if combine is not None:
-        validate_fp32_combine_config(config, combine, settings)
+        _check_fp32_combine(config, combine, settings)
+    if torch_experts:  # the flags last, the spec builder's arguments' and the config's
+        refuse_spec_arguments(spec_kwargs or {})
+        refuse_unsupported_flags(spec_kwargs or {})
+        refuse_unsupported_flags(vars(config))
     return SpecChoice(torch_experts, combine)
 
 
@@ -415,11 +439,11 @@ class TorchExpertsTransformerConfig(TransformerConfig):
         settings = ExpertSettings.read(self)  # checks the backend and kernel values
         torch_experts = settings.gemm_backend == ExpertGemmBackend.TORCH
         if torch_experts:
-            refuse_transformer_impl(self, "moe_expert_gemm_backend='torch'")
-            refuse_unsupported_flags(vars(self))
-            check_batch_invariant_mode(self, settings)
+            _refuse_outright(self, settings)
         if settings.combine_in_fp32:  # it reads no field that Megatron's checks derive
-            validate_fp32_combine_config(self, settings=settings)
+            if not torch_experts:
+                refuse_transformer_impl(self, "moe_combine_in_fp32=True")
+            _check_fp32_combine(self, "moe_combine_in_fp32=True", settings)
         # Megatron's checks of batch_invariant_mode for an MoE model are ours above but its
         # DeepGEMM requirement (TE's grouped GEMM, which TorchGroupedMLP never calls): its
         # __post_init__ runs with the mode off, which it reads for nothing else (0.20).
@@ -432,7 +456,7 @@ class TorchExpertsTransformerConfig(TransformerConfig):
             if invariant:
                 self.batch_invariant_mode = True
         if torch_experts:
-            validate_torch_experts_config(self, settings=settings)
+            _check_torch_experts(self)
         check_expert_kernel(self, settings.expert_kernel)
 
 

@@ -286,3 +286,52 @@ def test_forced_fused_gemm_on_a_plain_config_is_refused_when_the_module_is_built
     config.moe_expert_kernel = "fused_gemm"
     with pytest.raises(TorchExpertsConfigError, match="moe_expert_kernel='fused_gemm' cannot run"):
         TorchGroupedMLP(config.num_moe_experts, config, pg_collection=megatron_cpu)
+
+
+CHECKS = ("refuse_transformer_impl", "refuse_unrecorded_settings", "_check_batch_invariant",
+          "_check_torch_experts", "_check_fp32_combine")
+
+
+@pytest.fixture
+def check_counts(monkeypatch):
+    """How often each check of mcore_torch_experts.config, and ExpertSettings.read, runs."""
+    import collections
+    import functools
+
+    from mcore_torch_experts import config as config_module
+    from mcore_torch_experts.settings import ExpertSettings
+
+    counts = collections.Counter()
+
+    def counted(name, function):
+        @functools.wraps(function)
+        def run(*args, **kwargs):
+            counts[name] += 1
+            return function(*args, **kwargs)
+        return run
+
+    for name in CHECKS:
+        monkeypatch.setattr(config_module, name, counted(name, getattr(config_module, name)))
+    read = ExpertSettings.read.__func__
+    monkeypatch.setattr(ExpertSettings, "read",
+                        classmethod(counted("ExpertSettings.read", read)))
+    return counts
+
+
+def test_a_launcher_route_reads_the_settings_once_and_runs_each_check_once(check_counts):
+    from mcore_torch_experts.config import spec_choice
+
+    config = valid_config()
+    check_counts.clear()   # the config class's own checks
+    choice = spec_choice(config, experts_absent="torch",
+                         entry_point="torch_experts_fp32_combine_gpt_spec",
+                         entry_point_combines=True)
+    assert choice.torch_experts and choice.fp32_combine == "torch_experts_fp32_combine_gpt_spec"
+    assert check_counts == {name: 1 for name in ("ExpertSettings.read", *CHECKS)}
+
+
+def test_the_config_class_reads_its_settings_once_and_runs_each_check_once(check_counts):
+    TorchExpertsTransformerConfig(**VALID, moe_expert_gemm_backend="torch",
+                                  moe_combine_in_fp32=True, moe_token_dispatcher_type="alltoall")
+    assert check_counts == {name: 1 for name in ("ExpertSettings.read", *CHECKS)
+                            if name != "refuse_unrecorded_settings"}
