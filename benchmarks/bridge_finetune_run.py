@@ -10,7 +10,8 @@ writes a table: ms per iteration (median and range), tokens/s, losses.
 
     python3 benchmarks/bridge_finetune_run.py --out-dir OUT [--iters 12] [--expert-adapters shared]
 
-One torchrun per phase (`--phase NAME` runs it in the worker); scripts/gpu_client_routes.sh
+One torchrun per phase (`--phase NAME` runs it in the worker), each leaving its record in OUT
+(PHASE.json, PHASE.log); `--from-results` rebuilds the report from them. scripts/gpu_client_routes.sh
 runs this where Bridge and what its training modules import (nvidia-resiliency-ext) are installed.
 """
 
@@ -142,7 +143,13 @@ def run_phase(phase: str, out: Path, args) -> dict:
           flush=True)
     if run.returncode != 0:
         raise RuntimeError(f"{phase}: exit {run.returncode}: {log[-4000:]}")
+    return load_phase(phase, out)
+
+
+def load_phase(phase: str, out: Path) -> dict:
+    """A finished phase's record (OUT/PHASE.json) with our experts' log line from its log."""
     result = json.loads((out / f"{phase}.json").read_text())
+    log = (out / f"{phase}.log").read_text() if (out / f"{phase}.log").is_file() else ""
     result["summary_line"] = next((line for line in log.splitlines()
                                    if "mcore_torch_experts: rank 0 runs" in line), None)
     return result
@@ -157,6 +164,9 @@ def main() -> None:
     parser.add_argument("--phases", default=",".join(PHASES),
                         help=f"comma-separated, of {', '.join(PHASES)}; te and torch always, "
                              "pretrain unless OUT holds its checkpoint already")
+    parser.add_argument("--from-results", action="store_true",
+                        help="rebuild the report from the phases' records in OUT (PHASE.json, "
+                             "PHASE.log) without running them")
     parser.add_argument("--phase", choices=list(PHASES), help=argparse.SUPPRESS)
     args = parser.parse_args()
     phases = args.phases.split(",")
@@ -169,9 +179,16 @@ def main() -> None:
     if args.phase:
         worker(args.phase, out, args.iters, args.expert_adapters)
         return
-    if "pretrain" not in phases and not (out / "pretrained").is_dir():
-        parser.error(f"--phases: no pretrain phase and no checkpoint in {out / 'pretrained'}")
-    results = {phase: run_phase(phase, out, args) for phase in PHASES if phase in phases}
+    if args.from_results:
+        missing = [phase for phase in ("te", "torch") if not (out / f"{phase}.json").is_file()]
+        if missing:
+            parser.error(f"--from-results: no {', '.join(f'{p}.json' for p in missing)} in {out}")
+        results = {phase: load_phase(phase, out) for phase in PHASES
+                   if phase != "pretrain" and phase in phases and (out / f"{phase}.json").is_file()}
+    else:
+        if "pretrain" not in phases and not (out / "pretrained").is_dir():
+            parser.error(f"--phases: no pretrain phase and no checkpoint in {out / 'pretrained'}")
+        results = {phase: run_phase(phase, out, args) for phase in PHASES if phase in phases}
     te, ours = results["te"]["steps"], results["torch"]["steps"]
     resume_diff = None
     if {"torch-first-half", "torch-resumed"} <= set(results):
@@ -195,7 +212,8 @@ def main() -> None:
                      f"{results[phase]['peak_gib']:.1f}", results[phase]["model"]["trained"],
                      results[phase]["model"]["expert_weights_trained"]])
     header = harness.header(torch.device("cuda"), packages=(
-        "triton", "megatron-core", "megatron-bridge", "transformer-engine"))
+        "triton", "megatron-core", "megatron-bridge", "transformer-engine")) \
+        if torch.cuda.is_available() else []
     header.append(f"slice: {SLICE}; {SEQUENCES} x {SLICE['seq_length']} tokens per iteration; "
                   f"LoRA dim 16 on linear_qkv, linear_proj, linear_fc1, linear_fc2, "
                   f"{args.expert_adapters} expert adapters")

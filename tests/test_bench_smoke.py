@@ -531,3 +531,41 @@ def test_bench_host_time_refuses_bad_arguments(tmp_path):
                            "--out-dir", str(tmp_path), "--rounds", "0"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--rounds" in proc.stderr
+
+
+def test_bridge_finetune_report_from_results_names_each_arm_and_checks_the_resume(tmp_path):
+    """bridge_finetune_run.py --from-results: each arm named (ours, stock, stock with TE's
+    CUTLASS grouped GEMM), its median against TEGroupedMLP's, the loss and resume differences,
+    and our experts' log line; a resumed loss off by more than 1e-3 fails the run."""
+    def record(phase, ms, losses, experts):
+        steps = [dict(step=i + 1, ms=m, loss=loss) for i, (m, loss) in enumerate(zip(ms, losses))]
+        (tmp_path / f"{phase}.json").write_text(json.dumps(dict(
+            model=dict(experts=[experts], trained=32, expert_weights_trained=0), steps=steps,
+            peak_gib=9.0 if experts == "TorchGroupedMLP" else 9.7)))
+        line = ("INFO:mcore_torch_experts: rank 0 runs TorchGroupedMLP experts in 4 MoE layer(s)"
+                if experts == "TorchGroupedMLP" else "")
+        (tmp_path / f"{phase}.log").write_text(f"torchrun ...\n\n{line}\n")
+
+    losses = [10.70, 10.60, 10.50, 10.40]
+    record("te", [900, 700, 710, 720], losses, "TEGroupedMLP")
+    record("te-cutlass", [800, 600, 610, 620], losses, "TEGroupedMLP")
+    record("torch", [500, 270, 280, 290], losses, "TorchGroupedMLP")
+    record("torch-first-half", [500, 270], losses[:2], "TorchGroupedMLP")
+    record("torch-resumed", [500, 270], losses[2:], "TorchGroupedMLP")
+    stdout = run_benchmark("bridge_finetune_run.py", "--out-dir", str(tmp_path), "--iters", "4",
+                           "--skip", "1", "--from-results")
+    assert "| stock | TEGroupedMLP | 710.0 (700.0–720.0) |" in stdout, stdout
+    assert "| stock, NVTE_USE_CUTLASS_GROUPED_GEMM=1 | TEGroupedMLP | 610.0 (600.0–620.0) |" \
+        in stdout
+    assert "| ours | TorchGroupedMLP | 280.0 (270.0–290.0) |" in stdout
+    summary = json.loads((tmp_path / "bridge_finetune.json").read_text())["summary"]
+    assert summary["ms_ours"] == 280.0 and summary["ms_cutlass"] == 610.0
+    assert summary["resume_diff"] == 0.0 and summary["loss_diff"] == 0.0 and summary["ok"]
+
+    record("torch-resumed", [500, 270], [10.50, 10.45], "TorchGroupedMLP")   # adapters lost
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bridge_finetune_run.py"),
+                           "--out-dir", str(tmp_path), "--iters", "4", "--skip", "1",
+                           "--from-results"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not json.loads((tmp_path / "bridge_finetune.json").read_text())["summary"]["ok"]
