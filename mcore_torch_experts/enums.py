@@ -1,6 +1,7 @@
 """Every choice this package offers, in one file: the values of its config fields
-(`moe_expert_gemm_backend`, `moe_expert_kernel`, `moe_combine_backend`) and the activation paths
-the kernel choice resolves to. The modules that act on them re-export theirs."""
+(`moe_expert_gemm_backend`, `moe_expert_kernel`, `moe_combine_backend`), the activation paths
+the kernel choice resolves to and the names of the fused path's profiler ranges. The modules that
+act on them re-export theirs."""
 
 import enum
 
@@ -32,3 +33,12 @@ class CombineBackend(enum.StrEnum):
 
     TORCH = "torch"
     TRITON = "triton"
+
+
+class ProfileRange(enum.StrEnum):
+    """The torch profiler ranges the fused GEMM path opens while a profiler runs (its expert
+    linears and adapters are not called as modules there, so module hooks cannot name their
+    work); a backward opens the same range around the same work."""
+
+    EXPERT_GEMMS = "mcore_torch_experts::expert_gemms"  # the expert GEMM kernels, epilogues in
+    EXPERT_ADAPTERS = "mcore_torch_experts::expert_adapters"  # the adapters' rank-r GEMMs

@@ -54,6 +54,7 @@ the experts before they are used add themselves here."""
 logger = logging.getLogger("mcore_torch_experts")
 _BUILT: "weakref.WeakSet[TorchGroupedMLP]" = weakref.WeakSet()
 _summary_logged = False
+_LOGGED_AUTO_FALLBACKS = set()
 
 
 def experts_summary(first_call: Optional[str] = None) -> str:
@@ -296,6 +297,9 @@ class TorchGroupedMLP(MegatronModule):
         what is not); "grouped_mm", four grouped_mm GEMMs with the activation between them
         (one Triton kernel on CUDA where `kernels.activation` is "fused", torch ops otherwise),
         adapters called as modules."""
+        self.last_expert_kernel: Optional[ExpertKernel] = None
+        """The expert kernel the latest forward ran (FUSED_GEMM or GROUPED_MM; None before the
+        first): what a profile or a test reads to know the path a call took."""
         _BUILT.add(self)
 
     def activation(self, fc1_out: torch.Tensor) -> torch.Tensor:
@@ -337,6 +341,8 @@ class TorchGroupedMLP(MegatronModule):
             hidden = (probs * hidden).to(hidden.dtype)
             probs = None
         fused_views = self._fused_gemm_views(hidden)
+        self.last_expert_kernel = (ExpertKernel.GROUPED_MM if fused_views is None
+                                   else ExpertKernel.FUSED_GEMM)
         if not _summary_logged:
             _log_summary_once(self.path_taken(fused_views is not None, hidden.is_cuda))
         if fused_views is not None:
@@ -404,9 +410,16 @@ class TorchGroupedMLP(MegatronModule):
         if self.kernels.expert_kernel != ExpertKernel.FUSED_GEMM:
             return None
         plan = plan_fused_gemm((self.linear_fc1, self.linear_fc2), TorchGroupedLinear, hidden)
-        if plan.obstacle is not None and self.kernels.setting == ExpertKernel.FUSED_GEMM:
+        if plan.obstacle is None:
+            return plan.views
+        if self.kernels.setting == ExpertKernel.FUSED_GEMM:
             raise RuntimeError(plan.obstacle)
-        return plan.views if plan.obstacle is None else None
+        if plan.reason not in _LOGGED_AUTO_FALLBACKS:  # "auto": said once per reason
+            _LOGGED_AUTO_FALLBACKS.add(plan.reason)
+            logger.warning(
+                "mcore_torch_experts: moe_expert_kernel='auto' runs grouped_mm, not the fused "
+                "GEMM kernels it picked for this config, in calls where %s", plan.reason)
+        return None
 
     def backward_dw(self):
         """A no-op: the expert weights are frozen, so there is no weight gradient to compute late.

@@ -53,8 +53,8 @@ def test_bench_experts_tiny(tmp_path):
 @BENCH_SMOKE
 def test_bench_cycle_smoke(tmp_path):
     stdout = run_benchmark("bench_cycle.py", "--smoke", "--out-dir", str(tmp_path))
-    assert ("| experts | expert adapters | adapters | logprob ms | update ms | cycle ms, median "
-            "(min–max) |") in stdout
+    assert ("| experts | expert adapters | adapters | expert kernel | logprob ms | update ms | "
+            "cycle ms, median (min–max) |") in stdout
     assert "| experts | expert adapters | adapters | MoE side ms | of it recompute ms |" in stdout
     assert "### Update pass by component (torch profiler)" in stdout
     assert "bench_cycle.py --smoke" in stdout and "megatron-core" in stdout  # the header
@@ -161,6 +161,34 @@ def test_bench_cycle_runs_every_adapter_source_and_layout_as_an_arm(tmp_path):
                            "--adapters", "ours,ours"], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "--adapters 'ours,ours'" in proc.stderr, proc.stderr[-2000:]
+
+
+@BENCH_SMOKE
+def test_bench_cycle_profiles_the_fused_path_it_timed(tmp_path):
+    """The profiler's ranges leave the fused kernels' linears and adapters unhooked, so a forced
+    "fused_gemm" with Megatron-Bridge's adapters (shared and per expert) is profiled on the path
+    it was timed on (Triton's interpreter on the CPU): every row says fused_gemm, and its
+    backward's kernel and adapter work lands in the expert GEMMs and expert adapters rows."""
+    if sys.version_info < (3, 12) or importlib.util.find_spec("megatron.bridge") is None:
+        pytest.skip("Megatron-Bridge's PEFT needs Python 3.12 and megatron-bridge")
+    pytest.importorskip("triton", reason="the fused kernels run under Triton's interpreter here")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "bench_cycle.py"), "--smoke",
+         "--expert-kernel", "fused_gemm", "--adapters", "bridge", "--expert-adapters",
+         "shared,per_expert", "--arms", "torch", "--profile-rounds", "1", "--cycles", "1",
+         "--out-dir", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["slices"][0]["rows"]
+    assert [(row["layout"], row.get("note")) for row in rows] == [("shared", None),
+                                                                   ("per_expert", None)]
+    for row in rows:
+        assert row["expert_kernels"] == ["fused_gemm"] == row["profile"]["expert_kernels"], row
+        ms, again = row["profile"]["ms"], row["profile"]["recompute_ms"]
+        for component in ("expert GEMMs", "expert adapters"):
+            assert ms[component] > 0 and again[component] > 0, (component, ms, again)
+    assert "| TorchGroupedMLP | shared | bridge | fused_gemm |" in proc.stdout
 
 
 @BENCH_SMOKE

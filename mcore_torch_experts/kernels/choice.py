@@ -199,6 +199,9 @@ class FusedGemmPlan(NamedTuple):
 
     views: Tuple[FusedAdapter, ...]
     obstacle: Optional[str]
+    """The error a forced "fused_gemm" raises: the reason and the fix."""
+    reason: Optional[str] = None
+    """The obstacle's cause alone, as a clause (what "auto" logs when it runs grouped_mm)."""
 
 
 def plan_fused_gemm(linears: Sequence[torch.nn.Module], linear_type: type,
@@ -225,12 +228,12 @@ def plan_fused_gemm(linears: Sequence[torch.nn.Module], linear_type: type,
                 "moe_expert_kernel='fused_gemm' runs the packed expert weights directly, but "
                 f"linear_fc1/linear_fc2 carry adapters or hooks that it would skip ({reason});"
                 " set moe_expert_kernel='grouped_mm' or 'auto' for such adapters or hooks on "
-                "the experts."))
+                "the experts."), reason)
     if not hidden.is_cuda and not TRITON_INTERPRETER:
         return FusedGemmPlan(tuple(views), (
             f"moe_expert_kernel='fused_gemm' runs Triton kernels on CUDA tensors; the "
             f"input is on {hidden.device}. Move the module to CUDA or set "
-            "moe_expert_kernel='grouped_mm' or 'auto'."))
+            "moe_expert_kernel='grouped_mm' or 'auto'."), f"the input is on {hidden.device}")
     return FusedGemmPlan(tuple(views), None)
 
 

@@ -9,15 +9,28 @@ or a plain matmul for shared factors) and fed to fc1's kernel; fc2 forward and f
 gradient are plain grouped GEMMs, fc2's adapter added with grouped_mm (or plain matmuls); the
 adapters' gradients are exact, from the [T, r] products, fc2's input (for fc2's A) and the
 gradients of h and of fc2's output.
+
+While a torch profiler runs, the work is named by the ranges of enums.ProfileRange, forward and
+backward: the expert GEMM kernels (the adapter's rank-r products in their epilogues included)
+and the adapters' own rank-r GEMMs. Without a profiler no range is opened.
 """
 
+import contextlib
 from typing import NamedTuple
 
 import torch
 
+from ..enums import ProfileRange
 from . import grouped_gemm
 from .choice import KERNEL_ACTIVATIONS
 from .fused_experts_triton import fc1_activation, fc2_dgrad_activation
+
+
+def profile_range(name: ProfileRange):
+    """A torch profiler range named `name` while a profiler runs, else a no-op context."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 class LoRATerm(NamedTuple):
@@ -152,31 +165,35 @@ class Fc1Activation(torch.autograd.Function):
         grad_h = grad_h.contiguous()
         dx = None
         if ctx.needs_input_grad[0]:
-            if grad_h.shape[0] == 0:
-                dx = grad_h.new_zeros(0, w1.shape[2])
-            else:
-                dx = grouped_gemm.grouped_mm(grad_h, w1, offs=offs)
+            with profile_range(ProfileRange.EXPERT_GEMMS):
+                if grad_h.shape[0] == 0:
+                    dx = grad_h.new_zeros(0, w1.shape[2])
+                else:
+                    dx = grouped_gemm.grouped_mm(grad_h, w1, offs=offs)
             if token_ids is not None:
                 dx = ctx.sum_rows(dx, token_ids)
         dxa = dlb = None
-        if lb is not None:  # saved only when xa needs its gradient
-            dxa = _rows_times(grad_h, lb, offs, transpose=False)
-        if xa is not None:  # saved only when lb needs its gradient
-            dlb = _factor_grad(grad_h, xa, offs, w1.shape[0], ctx.per_expert)
+        with profile_range(ProfileRange.EXPERT_ADAPTERS):
+            if lb is not None:  # saved only when xa needs its gradient
+                dxa = _rows_times(grad_h, lb, offs, transpose=False)
+            if xa is not None:  # saved only when lb needs its gradient
+                dlb = _factor_grad(grad_h, xa, offs, w1.shape[0], ctx.per_expert)
         return dx, None, None, None, dxa, dlb, None
 
 
 def fc2_forward(inter, w2, offs, term=None):
     """inter [T, F] -> (inter @ w2[e].T [T, H], xr): with an adapter, plus xr @ B.T where
     xr = scale * inter @ A.T [T, r] (per expert: A[e], B[e]); xr None without one."""
-    if inter.shape[0] == 0:
-        out = inter.new_empty(0, w2.shape[1])
-    else:
-        out = grouped_gemm.grouped_mm(inter, w2.transpose(1, 2), offs=offs)
+    with profile_range(ProfileRange.EXPERT_GEMMS):
+        if inter.shape[0] == 0:
+            out = inter.new_empty(0, w2.shape[1])
+        else:
+            out = grouped_gemm.grouped_mm(inter, w2.transpose(1, 2), offs=offs)
     if term is None:
         return out, None
-    xr = _rows_times(inter, term.a, offs, transpose=True) * term.scale
-    return out + _rows_times(xr, term.b, offs, transpose=True), xr
+    with profile_range(ProfileRange.EXPERT_ADAPTERS):
+        xr = _rows_times(inter, term.a, offs, transpose=True) * term.scale
+        return out + _rows_times(xr, term.b, offs, transpose=True), xr
 
 
 class Fc2AfterActivation(torch.autograd.Function):
@@ -209,18 +226,21 @@ class Fc2AfterActivation(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         gb = None
         if la is not None:
-            gb = _rows_times(grad_out, lb, offs, transpose=False) * args.scale
-        dh, dprobs = fc2_dgrad_activation(grad_out, w2, offs, probs.contiguous(), h,
-                                          *args.activation, want_dprobs=ctx.needs_input_grad[2],
-                                          gb=gb, la=la)
+            with profile_range(ProfileRange.EXPERT_ADAPTERS):
+                gb = _rows_times(grad_out, lb, offs, transpose=False) * args.scale
+        with profile_range(ProfileRange.EXPERT_GEMMS):
+            dh, dprobs = fc2_dgrad_activation(grad_out, w2, offs, probs.contiguous(), h,
+                                              *args.activation,
+                                              want_dprobs=ctx.needs_input_grad[2], gb=gb, la=la)
         if dprobs is not None:
             dprobs = dprobs.to(probs.dtype)
         dla = dlb = None
         per_expert = la is not None and la.dim() == 3
-        if inter is not None:
-            dla = _factor_grad(gb, inter, offs, w2.shape[0], per_expert)
-        if xr is not None:
-            dlb = _factor_grad(grad_out, xr, offs, w2.shape[0], per_expert)
+        with profile_range(ProfileRange.EXPERT_ADAPTERS):
+            if inter is not None:
+                dla = _factor_grad(gb, inter, offs, w2.shape[0], per_expert)
+            if xr is not None:
+                dlb = _factor_grad(grad_out, xr, offs, w2.shape[0], per_expert)
         return None, dh, dprobs, None, None, dla, dlb, None
 
 
@@ -239,14 +259,18 @@ def fused_experts(config, x, probs, w1, w2, offs, fc1_lora=None, fc2_lora=None, 
     trains = any(t.requires_grad for t in (x, probs, *adapter_tensors))
     if not (torch.is_grad_enabled() and trains):
         with torch.no_grad():
-            xa = None if fc1_lora is None else lora_down(x, fc1_lora, offs, routed)
-            inter, _ = fc1_activation(x.contiguous(), w1, offs, probs.contiguous(),
-                                      *args.activation, save_h=False, xa=xa,
-                                      lb=None if fc1_lora is None else fc1_lora.b,
-                                      token_ids=None if routed is None else routed.token_ids)
+            with profile_range(ProfileRange.EXPERT_ADAPTERS):
+                xa = None if fc1_lora is None else lora_down(x, fc1_lora, offs, routed)
+            with profile_range(ProfileRange.EXPERT_GEMMS):
+                inter, _ = fc1_activation(x.contiguous(), w1, offs, probs.contiguous(),
+                                          *args.activation, save_h=False, xa=xa,
+                                          lb=None if fc1_lora is None else fc1_lora.b,
+                                          token_ids=None if routed is None else routed.token_ids)
             return fc2_forward(inter, w2, offs, fc2_lora)[0]
-    xa = None if fc1_lora is None else lora_down(x, fc1_lora, offs, routed)
-    inter, h = Fc1Activation.apply(x, probs, w1, offs, xa,
-                                   None if fc1_lora is None else fc1_lora.b, args)
-    la, lb = (None, None) if fc2_lora is None else fc2_lora[:2]
-    return Fc2AfterActivation.apply(inter, h, probs, w2, offs, la, lb, args)
+    with profile_range(ProfileRange.EXPERT_ADAPTERS):
+        xa = None if fc1_lora is None else lora_down(x, fc1_lora, offs, routed)
+    with profile_range(ProfileRange.EXPERT_GEMMS):
+        inter, h = Fc1Activation.apply(x, probs, w1, offs, xa,
+                                       None if fc1_lora is None else fc1_lora.b, args)
+        la, lb = (None, None) if fc2_lora is None else fc2_lora[:2]
+        return Fc2AfterActivation.apply(inter, h, probs, w2, offs, la, lb, args)

@@ -105,14 +105,14 @@ def _col_tile(ptrs, col_ok, ks, k_left, EVEN_K: tl.constexpr, DOT_FP32: tl.const
 
 
 @triton.jit
-def _fc1_act_kernel(x_ptr, ids_ptr, w_ptr, offs_ptr, p_ptr, h_ptr, out_ptr, xa_ptr, lb_ptr,
-                    num_experts, N, K, R, num_n_tiles, offset, clamp,
-                    ACT: tl.constexpr, GLU: tl.constexpr, CLAMP: tl.constexpr,
-                    SAVE_H: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
-                    GATHER: tl.constexpr,
-                    LORA: tl.constexpr, LORA_PER_EXPERT: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    E_P2: tl.constexpr):
+def _fc1_gemm_act_kernel(x_ptr, ids_ptr, w_ptr, offs_ptr, p_ptr, h_ptr, out_ptr, xa_ptr,
+                         lb_ptr, num_experts, N, K, R, num_n_tiles, offset, clamp,
+                         ACT: tl.constexpr, GLU: tl.constexpr, CLAMP: tl.constexpr,
+                         SAVE_H: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
+                         GATHER: tl.constexpr, LORA: tl.constexpr,
+                         LORA_PER_EXPERT: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         E_P2: tl.constexpr):
     """x [T, K], w [E, N or 2N, K] -> out [T, N] = act(h) [* (up + offset)] * p; h [T, N or 2N]
     (bf16 pre-activation) when SAVE_H. With GATHER, row i reads x[ids[i]] (x [tokens, K], ids
     [T]: the routed rows without a permuted copy). With LORA, h = x @ w[e].T + xa @ lb[e].T: xa
@@ -185,13 +185,14 @@ def _fc1_act_kernel(x_ptr, ids_ptr, w_ptr, offs_ptr, p_ptr, h_ptr, out_ptr, xa_p
 
 
 @triton.jit
-def _dgrad_act_kernel(g_ptr, w_ptr, offs_ptr, p_ptr, h_ptr, dh_ptr, dp_ptr, gb_ptr, la_ptr,
-                      num_experts, N, K, R, T, num_n_tiles, offset, clamp,
-                      ACT: tl.constexpr, GLU: tl.constexpr, CLAMP: tl.constexpr,
-                      DPROBS: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
-                      LORA: tl.constexpr, LORA_PER_EXPERT: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      E_P2: tl.constexpr):
+def _fc2_dgrad_gemm_act_kernel(g_ptr, w_ptr, offs_ptr, p_ptr, h_ptr, dh_ptr, dp_ptr, gb_ptr,
+                               la_ptr, num_experts, N, K, R, T, num_n_tiles, offset, clamp,
+                               ACT: tl.constexpr, GLU: tl.constexpr, CLAMP: tl.constexpr,
+                               DPROBS: tl.constexpr, EVEN_K: tl.constexpr,
+                               DOT_FP32: tl.constexpr, LORA: tl.constexpr,
+                               LORA_PER_EXPERT: tl.constexpr, BLOCK_R: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               E_P2: tl.constexpr):
     """g [T, K] (fc2's output gradient), w [E, K, N] (fc2), h [T, N or 2N] -> dh (d h, bf16)
     and, when DPROBS, dp [num_n_tiles, T] FP32 partial sums of the probs' gradient. With LORA,
     the gradient of fc2's input is g @ w[e] + gb @ la[e]: gb [T, R] (scale * g @ B), la
@@ -293,7 +294,7 @@ def fc1_activation(x, w1, offs, probs, act, glu, offset, clamp, save_h, xa=None,
     rank = xa.shape[1] if lora else 0
     tiles = FC1_GLU_TILES if glu else FC1_TILES
     programs, n_tiles = _grid(rows, num_experts, tiles, ffn)
-    _fc1_act_kernel[(programs,)](
+    _fc1_gemm_act_kernel[(programs,)](
         x, token_ids.contiguous() if gather else offs, w1, offs, probs, h if save_h else out, out,
         xa.contiguous() if lora else x, lb.contiguous() if lora else w1, num_experts, ffn, hidden,
         rank, n_tiles, float(offset), float(clamp or 0.0), ACT=act, GLU=glu,
@@ -322,7 +323,7 @@ def fc2_dgrad_activation(grad_out, w2, offs, probs, h, act, glu, offset, clamp, 
                if want_dprobs else dh)
     lora = la is not None
     rank = gb.shape[1] if lora else 0
-    _dgrad_act_kernel[(programs,)](
+    _fc2_dgrad_gemm_act_kernel[(programs,)](
         grad_out, w2, offs, probs, h, dh, partial, gb.contiguous() if lora else grad_out,
         la.contiguous() if lora else w2, num_experts, ffn, hidden, rank, rows, n_tiles,
         float(offset), float(clamp or 0.0), ACT=act, GLU=glu, CLAMP=clamp is not None,

@@ -266,6 +266,89 @@ def test_auto_calls_every_hook_of_the_linears(megatron_cpu, hook, device):
     finally:
         handle.remove()
     assert calls and x.grad is not None
+    assert experts.last_expert_kernel == ExpertKernel.GROUPED_MM
+
+
+def test_auto_says_once_per_reason_when_a_call_leaves_the_fused_kernels(megatron_cpu, caplog,
+                                                                       monkeypatch):
+    """Where "auto" picked the fused kernels (on sm90; set here as the chooser would) and a call
+    cannot take them, the call runs grouped_mm and a warning names why, once per reason;
+    `last_expert_kernel` says which path each call took."""
+    from mcore_torch_experts import experts as experts_module
+
+    monkeypatch.setattr(experts_module, "_LOGGED_AUTO_FALLBACKS", set())
+    config = make_config(activation="squared_relu", glu=False, moe_expert_kernel="auto")
+    experts = TorchGroupedMLP(config.num_moe_experts, config, pg_collection=megatron_cpu)
+    experts.requires_grad_(False)
+    experts.kernels = KernelChoice("auto", "fused_gemm", experts.kernels.activation)
+    assert experts.last_expert_kernel is None
+    x = torch.randn(8, config.hidden_size).bfloat16()
+    handle = HOOKS["forward"](experts.linear_fc1, [])
+    try:
+        with caplog.at_level("WARNING", logger="mcore_torch_experts"):
+            for _ in range(3):
+                experts(x, [2, 2, 2, 2], torch.rand(8))
+    finally:
+        handle.remove()
+    said = [r.getMessage() for r in caplog.records if "moe_expert_kernel='auto'" in r.getMessage()]
+    assert said == ["mcore_torch_experts: moe_expert_kernel='auto' runs grouped_mm, not the fused "
+                    "GEMM kernels it picked for this config, in calls where linear_fc1 carries "
+                    "hooks that it would skip"], said
+    assert experts.last_expert_kernel == ExpertKernel.GROUPED_MM
+
+
+@pytest.mark.triton_interpreter
+@pytest.mark.skipif(torch.cuda.is_available(),  # decided before a child interpreter starts
+                    reason="on a CUDA host the kernels run compiled, on the GPU (tests/unit/test_gpu.py)")
+@pytest.mark.parametrize("kind", ["shared", "per_expert"])
+def test_the_fused_path_names_its_work_for_a_profiler(megatron_cpu, kind, monkeypatch):
+    """While a torch profiler runs, the fused path opens the ranges of enums.ProfileRange around
+    its expert GEMMs and its adapters' GEMMs, in the forward and inside the backward's autograd
+    nodes; the results are the same bits as without a profiler, and without one no range is
+    opened."""
+    pytest.importorskip("triton", reason="triton is not installed: the fused kernels are untested")
+    if not hasattr(torch.nn.functional, "grouped_mm"):
+        pytest.skip("this torch has no CPU grouped_mm for fc2 and fc1's input gradient")
+    from torch.profiler import ProfilerActivity, profile
+
+    from mcore_torch_experts.enums import ProfileRange
+    from mcore_torch_experts.lora import lora_parameters
+
+    torch.manual_seed(5)
+    config = make_config(activation="squared_relu", glu=False, num_experts=4, hidden=40, ffn=24,
+                         moe_expert_kernel="fused_gemm")
+    experts = TorchGroupedMLP(config.num_moe_experts, config, pg_collection=megatron_cpu)
+    experts.requires_grad_(False)
+    for linear in ("linear_fc1", "linear_fc2"):
+        base = getattr(experts, linear)
+        setattr(experts, linear, LoRALinear(base, _adapter(kind, base, rank=8)))
+    with torch.no_grad():
+        for p in lora_parameters(experts).values():
+            p.normal_(std=0.3)
+    splits = [13, 0, 21, 6]
+    x = torch.randn(sum(splits), 40).bfloat16()
+    probs = torch.rand(sum(splits))
+    grad = torch.randn(sum(splits), 40).bfloat16()
+    opened = []
+    real_record = torch.profiler.record_function
+    monkeypatch.setattr(torch.profiler, "record_function",
+                        lambda name, *a: opened.append(name) or real_record(name, *a))
+    plain = _forward_backward(experts, x, splits, probs, grad)
+    assert not opened and experts.last_expert_kernel == ExpertKernel.FUSED_GEMM
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        profiled = _forward_backward(experts, x, splits, probs, grad)
+    assert len(plain) == len(profiled) == 7
+    assert all(torch.equal(a, b) for a, b in zip(plain, profiled))
+    events = [e for e in prof.events() if e.name in set(ProfileRange)]
+
+    def in_backward(event):
+        while (event := event.cpu_parent) is not None:
+            if event.name.startswith("autograd::engine::evaluate_function"):
+                return True
+        return False
+
+    seen = {(e.name, in_backward(e)) for e in events}
+    assert seen == {(r.value, b) for r in ProfileRange for b in (False, True)}, seen
 
 
 # --- LoRA adapters in the fused kernels --------------------------------------------------------
