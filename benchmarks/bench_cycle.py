@@ -153,6 +153,7 @@ def run_interleaved(arms: dict, args, device, log):
                     runs[variant]["extra"][phase] = max(runs[variant]["extra"][phase], extra)
         if device.type == "cuda":
             arms[variant].resident = cycle.resident_bytes()
+        runs[variant]["expert_kernels"] = cp.expert_kernels(cycle.model)
         return this
 
     for i in range(rounds):
@@ -177,8 +178,9 @@ def run_interleaved(arms: dict, args, device, log):
 
 
 def over_ranks(runs: dict) -> dict:
-    """Every rank's runs as one: per measured round each phase's time on the slowest rank, and
-    the highest resident bytes and peaks of any rank (one process: its own)."""
+    """Every rank's runs as one: per measured round each phase's time on the slowest rank, the
+    highest resident bytes and peaks of any rank (one process: its own), and the expert kernels
+    any rank ran."""
     ranks = gather_ranks(runs)
     merged = {}
     for variant in runs:
@@ -191,6 +193,8 @@ def over_ranks(runs: dict) -> dict:
                                     for phase in PHASES} if cuda else None)
         merged[variant]["between_turns"] = (max(run["between_turns"] for run in each)
                                             if cuda else None)
+        merged[variant]["expert_kernels"] = sorted({k for run in each
+                                                   for k in run["expert_kernels"]})
     return merged
 
 
@@ -203,7 +207,8 @@ def variant_row(variant, run: dict, tokens: int) -> dict:
     cycles = [a + b for a, b in zip(run["logprob"], run["update"])]
     row = {"arm": arm, "layout": layout, "adapters": adapters, "module": cm.ARMS[arm],
            "logprob_ms": spread(run["logprob"]), "update_ms": spread(run["update"]),
-           "cycle_ms": spread(cycles), "cycles_ms": cycles}
+           "cycle_ms": spread(cycles), "cycles_ms": cycles,
+           "expert_kernels": run["expert_kernels"]}
     row["tokens_per_s"] = tokens / (row["cycle_ms"]["median"] / 1e3)
     if run["resident"] is not None:
         row["resident_gib"] = run["resident"] / GIB
@@ -297,7 +302,12 @@ def run_slice(key: str, layers: int, stack: str, arms, layouts, args, device, lo
                 float((a - b).abs().mean()) for a, b in zip(first[variant], first[reference]))))
             row["logprob_diff_vs"] = (f"{cm.ARMS[reference[0]]} ({reference[1]}, "
                                       f"{reference[2]} adapters)")
-        if profiles.get(variant):
+        strayed = [p["expert_kernels"] for p in profiles.get(variant, [])
+                   if p["expert_kernels"] != row["expert_kernels"]]
+        if strayed:  # a profile of another path than the timed one would mislead
+            row["profile_note"] = (f"the profiled pass ran the expert kernel(s) {strayed[0]}, "
+                                   f"the timed rounds {row['expert_kernels']}")
+        elif profiles.get(variant):
             row["profile"] = profiles[variant][0]
             row["moe_side"] = cp.moe_side_over_rounds(profiles[variant])
         elif variant in profile_notes:

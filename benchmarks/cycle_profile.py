@@ -2,10 +2,12 @@
 classification of every profiled op's GPU time, the breakdown table and the stacked-bar plot.
 
 Forward ops (and the recompute's) take the innermost `bench::<component>` range open around
-them; a backward op takes the component of the forward op that made its autograd node
-(sequence numbers); ops the re-entrant checkpoint's backward runs outside a nested backward node
-are the recompute; gradient accumulation into a leaf goes to the adapters (the only trainable
-leaves). `GPU idle` is the measured update time minus the profiled device time.
+them, or the innermost range the package's fused GEMM path opens (enums.ProfileRange: expert
+GEMMs, expert adapters); a backward op takes the package range opened inside its autograd node's
+backward, else the component of the forward op that made the node (sequence numbers); ops the
+re-entrant checkpoint's backward runs outside a nested backward node are the recompute; gradient
+accumulation into a leaf goes to the adapters (the only trainable leaves). `GPU idle` is the
+measured update time minus the profiled device time.
 
 The MoE side (`moe_side`): the components from the router to the combine, MOE_SIDE (router,
 permute/dispatch, expert GEMMs, expert activation, expert adapters, combine/unpermute, and the
@@ -28,6 +30,7 @@ import statistics
 import time
 
 from harness import markdown_table, pyplot, save_figure, sync
+from mcore_torch_experts.enums import ExpertKernel, ProfileRange
 
 ATTENTION, ROUTER, LATENT, DISPATCH = ("attention", "router", "latent projections",
                                        "permute/dispatch")
@@ -49,6 +52,8 @@ RANGE = "bench::"
 EVALUATE = "autograd::engine::evaluate_function: "
 DISPATCH_METHODS = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess")
 COMBINE_METHODS = ("combine_preprocess", "token_combine", "combine_postprocess")
+PACKAGE_RANGES = {ProfileRange.EXPERT_GEMMS.value: GEMMS,
+                  ProfileRange.EXPERT_ADAPTERS.value: EXPERT_ADAPTERS}
 TOP_KERNELS = 4  # expert GEMM kernel names kept per arm (which GEMM library ran)
 UNCLAIMED = "(device time of no profiled op)"
 
@@ -58,13 +63,31 @@ def is_adapter_wrapper(module) -> bool:
     return hasattr(module, "to_wrap") and hasattr(module, "adapter")
 
 
+def runs_fused_gemm(experts) -> bool:
+    """Whether `experts` pick the package's fused GEMM kernels, which call the expert linears'
+    packed weights and adapters' factors directly: a hook on those modules would turn the path
+    off (a forced "fused_gemm" raises, "auto" runs grouped_mm), so the ranges leave them to the
+    package's own (PACKAGE_RANGES)."""
+    kernels = getattr(experts, "kernels", None)
+    return getattr(kernels, "expert_kernel", None) == ExpertKernel.FUSED_GEMM
+
+
+def expert_kernels(model) -> list:
+    """The expert kernels the model's experts ran in their latest forward ("fused_gemm",
+    "grouped_mm"; sorted, each once; empty for experts that do not say)."""
+    return sorted({str(m.last_expert_kernel) for m in model.modules()
+                   if getattr(m, "last_expert_kernel", None) is not None})
+
+
 def component_ranges(model):
     """(module -> component) for the forward hooks, and (dispatcher, method, component) for the
-    token dispatchers' phases, for GPTModel and HybridModel."""
+    token dispatchers' phases, for GPTModel and HybridModel. Experts on the fused GEMM path keep
+    their linears and adapters unhooked (runs_fused_gemm)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     modules, methods = {model: HEAD, model.decoder: OTHER}, []
+    fused = tuple(f"{name}." for name, module in model.named_modules() if runs_fused_gemm(module))
     for name, module in model.named_modules():
         if isinstance(module, TransformerLayer):
             modules[module] = NORMS
@@ -79,7 +102,7 @@ def component_ranges(model):
                     modules[getattr(module, part)] = component
             methods += [(module.token_dispatcher, m, DISPATCH) for m in DISPATCH_METHODS]
             methods += [(module.token_dispatcher, m, COMBINE) for m in COMBINE_METHODS]
-        elif is_adapter_wrapper(module):
+        elif is_adapter_wrapper(module) and not any(name.startswith(f) for f in fused):
             modules[module.adapter] = ADAPTERS
             if ".experts." in name:
                 modules[module.adapter] = EXPERT_ADAPTERS
@@ -139,8 +162,30 @@ def _ancestors(event):
         event = event.cpu_parent
 
 
+def _range_of(event):
+    """The component a `bench::` or package range names, or None for any other event."""
+    if event.name.startswith(RANGE):
+        return event.name[len(RANGE):]
+    return PACKAGE_RANGES.get(event.name)
+
+
+def _is_range(name: str) -> bool:
+    return name.startswith(RANGE) or name in PACKAGE_RANGES
+
+
 def _innermost_range(chain):
-    return next((e.name[len(RANGE):] for e in chain if e.name.startswith(RANGE)), OTHER)
+    return next((c for c in map(_range_of, chain) if c is not None), OTHER)
+
+
+def _package_range_below(chain, node):
+    """The component of the innermost package range between an op and its backward node (a
+    range the fused path opened inside its backward), or None."""
+    for event in chain:
+        if event is node:
+            return None
+        if event.name in PACKAGE_RANGES:
+            return PACKAGE_RANGES[event.name]
+    return None
 
 
 def _is_backward_node(event) -> bool:
@@ -166,9 +211,11 @@ def classify(events, cuda: bool):
     gemm_kernels, other_sources = collections.Counter(), collections.Counter()
     other_gemm = 0.0
     for event in cpu_events:
-        if getattr(event, "is_user_annotation", False):
+        if getattr(event, "is_user_annotation", False) and event.name not in PACKAGE_RANGES:
             continue  # a range: its device span holds its ops' kernels, counted with those ops
-        kernels = [k for k in event.kernels if not k.name.startswith(RANGE)] if cuda else []
+        # A package range launches kernels of its own (the fused path's Triton kernels in a
+        # backward node): those, or its own CPU time, are counted with it.
+        kernels = [k for k in event.kernels if not _is_range(k.name)] if cuda else []
         own = sum(k.duration for k in kernels) if cuda else event.self_cpu_time_total
         if not own:
             continue
@@ -184,7 +231,8 @@ def classify(events, cuda: bool):
         elif node.name.endswith("AccumulateGrad"):
             component = ADAPTERS
         else:
-            component = forward.get((node.fwd_thread, node.sequence_nr), OTHER)
+            component = (_package_range_below(chain, node)
+                         or forward.get((node.fwd_thread, node.sequence_nr), OTHER))
         totals[component] += own
         if component == OTHER:
             other_sources[node.name[len(EVALUATE):] if node is not None else event.name] += own
@@ -197,7 +245,7 @@ def classify(events, cuda: bool):
     device_total = (sum(e.time_range.elapsed_us() for e in events
                         if e.device_type == DeviceType.CUDA
                         and not getattr(e, "is_user_annotation", False)
-                        and not e.name.startswith(RANGE)) if cuda else None)
+                        and not _is_range(e.name)) if cuda else None)
     return totals, recompute, device_total, gemm_kernels, other_sources, other_gemm
 
 
@@ -232,7 +280,8 @@ def moe_side_over_rounds(profiles) -> dict:
 def profile_update(cycle, update_ms: float, device) -> dict:
     """One profiled update pass of `cycle` (cycle_passes.Cycle): {component: ms} (GPU idle = the
     measured update time minus the profiled device time), the recompute's ms by component, the
-    profiled device time and the expert GEMMs' main kernels."""
+    profiled device time, the expert GEMMs' main kernels and the expert kernels the profiled
+    pass ran (expert_kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
@@ -252,6 +301,7 @@ def profile_update(cycle, update_ms: float, device) -> dict:
     ms[IDLE] = max(0.0, update_ms - busy_ms) if device.type == "cuda" else 0.0
     print(f"[cycle]   profile parsed in {time.perf_counter() - started:.1f} s", flush=True)
     return {"ms": ms, "recompute_ms": {k: v / 1e3 for k, v in recompute.items()},
+            "expert_kernels": expert_kernels(cycle.model),
             "busy_ms": busy_ms, "idle_measured": device.type == "cuda",
             "gemm_kernel_ms": sum(us for name, us in gemm_kernels.items()
                                   if is_gemm_kernel(name)) / 1e3,

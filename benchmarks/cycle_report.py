@@ -28,16 +28,16 @@ def results_table(rows) -> list:
     ran = {(r["arm"], r["layout"], r["adapters"]): r for r in rows if "note" not in r}
     references = [a for a in REFERENCES if any(arm == a for arm, *_ in ran)]
     diffs = {r["logprob_diff_vs"] for r in ran.values() if "logprob_diff_vs" in r}
-    headers = (["experts", "expert adapters", "adapters", "logprob ms", "update ms",
-                "cycle ms, median (min–max)", "tokens/s", "logprob peak GiB", "update peak GiB",
-                "GPU idle in the update pass"]
+    headers = (["experts", "expert adapters", "adapters", "expert kernel", "logprob ms",
+                "update ms", "cycle ms, median (min–max)", "tokens/s", "logprob peak GiB",
+                "update peak GiB", "GPU idle in the update pass"]
                + [f"cycle throughput x {cm.ARMS[a]}" for a in references]
                + [f"mean abs logprob diff vs {next(iter(diffs), 'the first arm')}"])
     lines = []
     for r in rows:
         if "note" in r:
-            lines.append([r["module"], r["layout"], r["adapters"], r["note"]]
-                         + [""] * (len(headers) - 4))
+            lines.append([r["module"], r["layout"], r["adapters"], "", r["note"]]
+                         + [""] * (len(headers) - 5))
             continue
         profile = r.get("profile", {})
         idle = profile["ms"][cp.IDLE] if profile.get("idle_measured") else None
@@ -45,7 +45,8 @@ def results_table(rows) -> list:
         speedups = [fmt(ratio(ran.get((a, r["layout"], r["adapters"]), {}).get("cycle_ms", {})
                               .get("median"), r["cycle_ms"]["median"]), ".2f")
                     for a in references]
-        lines.append([r["module"], r["layout"], r["adapters"], _range(r["logprob_ms"]),
+        lines.append([r["module"], r["layout"], r["adapters"],
+                      ", ".join(r["expert_kernels"]) or "—", _range(r["logprob_ms"]),
                       _range(r["update_ms"]),
                       _range(r["cycle_ms"]), fmt(r["tokens_per_s"], ".0f"),
                       fmt(r.get("logprob_peak_gib"), ".1f"), fmt(r.get("update_peak_gib"), ".1f"),
