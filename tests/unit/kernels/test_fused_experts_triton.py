@@ -360,6 +360,24 @@ def test_auto_says_once_per_reason_when_a_call_leaves_the_fused_kernels(megatron
     assert experts.last_expert_kernel == ExpertKernel.GROUPED_MM
 
 
+def _fused_experts_with_lora(pg_collection, kind):
+    """Frozen squared-ReLU experts (4 x 40 -> 24) forced onto "fused_gemm", our rank-8 LoRA
+    (`kind`) on both linears, B made non-zero (it starts at zero and would hide the term)."""
+    from mcore_torch_experts.lora import lora_parameters
+
+    config = make_config(activation="squared_relu", glu=False, num_experts=4, hidden=40, ffn=24,
+                         moe_expert_kernel="fused_gemm")
+    experts = TorchGroupedMLP(config.num_moe_experts, config, pg_collection=pg_collection)
+    experts.requires_grad_(False)
+    for linear in ("linear_fc1", "linear_fc2"):
+        base = getattr(experts, linear)
+        setattr(experts, linear, LoRALinear(base, _adapter(kind, base, rank=8)))
+    with torch.no_grad():
+        for p in lora_parameters(experts).values():
+            p.normal_(std=0.3)
+    return experts
+
+
 @pytest.mark.triton_interpreter
 @pytest.mark.skipif(torch.cuda.is_available(),  # decided before a child interpreter starts
                     reason="on a CUDA host the kernels run compiled, on the GPU (tests/unit/test_gpu.py)")
@@ -375,19 +393,9 @@ def test_the_fused_path_names_its_work_for_a_profiler(megatron_cpu, kind, monkey
     from torch.profiler import ProfilerActivity, profile
 
     from mcore_torch_experts.enums import ProfileRange
-    from mcore_torch_experts.lora import lora_parameters
 
     torch.manual_seed(5)
-    config = make_config(activation="squared_relu", glu=False, num_experts=4, hidden=40, ffn=24,
-                         moe_expert_kernel="fused_gemm")
-    experts = TorchGroupedMLP(config.num_moe_experts, config, pg_collection=megatron_cpu)
-    experts.requires_grad_(False)
-    for linear in ("linear_fc1", "linear_fc2"):
-        base = getattr(experts, linear)
-        setattr(experts, linear, LoRALinear(base, _adapter(kind, base, rank=8)))
-    with torch.no_grad():
-        for p in lora_parameters(experts).values():
-            p.normal_(std=0.3)
+    experts = _fused_experts_with_lora(megatron_cpu, kind)
     splits = [13, 0, 21, 6]
     x = torch.randn(sum(splits), 40).bfloat16()
     probs = torch.rand(sum(splits))
@@ -546,16 +554,7 @@ def test_torch_grouped_mlp_fused_gemm_with_adapters_matches_grouped_mm(megatron_
     from mcore_torch_experts.lora import lora_parameters
 
     torch.manual_seed(3)
-    config = make_config(activation="squared_relu", glu=False, num_experts=4, hidden=40, ffn=24,
-                         moe_expert_kernel="fused_gemm")
-    experts = TorchGroupedMLP(config.num_moe_experts, config, pg_collection=megatron_cpu)
-    experts.requires_grad_(False)
-    for linear in ("linear_fc1", "linear_fc2"):
-        base = getattr(experts, linear)
-        setattr(experts, linear, LoRALinear(base, _adapter(kind, base, rank=8)))
-    with torch.no_grad():
-        for p in lora_parameters(experts).values():
-            p.normal_(std=0.3)  # B starts at zero
+    experts = _fused_experts_with_lora(megatron_cpu, kind)
     splits = [13, 0, 41, 6]
     rows = sum(splits)
     x = torch.randn(rows, 40).bfloat16()
