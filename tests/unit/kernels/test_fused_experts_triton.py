@@ -362,7 +362,11 @@ def test_auto_says_once_per_reason_when_a_call_leaves_the_fused_kernels(megatron
 
 def _fused_experts_with_lora(pg_collection, kind):
     """Frozen squared-ReLU experts (4 x 40 -> 24) forced onto "fused_gemm", our rank-8 LoRA
-    (`kind`) on both linears, B made non-zero (it starts at zero and would hide the term)."""
+    (`kind`) on both linears, B made non-zero (it starts at zero and would hide the term); skips
+    where triton or the CPU grouped_mm is missing."""
+    pytest.importorskip("triton", reason="triton is not installed: the fused kernels are untested")
+    if not hasattr(torch.nn.functional, "grouped_mm"):
+        pytest.skip("this torch has no CPU grouped_mm for fc2 and fc1's input gradient")
     from mcore_torch_experts.lora import lora_parameters
 
     config = make_config(activation="squared_relu", glu=False, num_experts=4, hidden=40, ffn=24,
@@ -387,9 +391,6 @@ def test_the_fused_path_names_its_work_for_a_profiler(megatron_cpu, kind, monkey
     its expert GEMMs and its adapters' GEMMs, in the forward and inside the backward's autograd
     nodes; the results are the same bits as without a profiler, and without one no range is
     opened."""
-    pytest.importorskip("triton", reason="triton is not installed: the fused kernels are untested")
-    if not hasattr(torch.nn.functional, "grouped_mm"):
-        pytest.skip("this torch has no CPU grouped_mm for fc2 and fc1's input gradient")
     from torch.profiler import ProfilerActivity, profile
 
     from mcore_torch_experts.enums import ProfileRange
@@ -546,9 +547,6 @@ def test_torch_grouped_mlp_fused_gemm_with_adapters_matches_grouped_mm(megatron_
     wrappers, B made non-zero), forced onto "fused_gemm", against the same module on
     "grouped_mm" (the adapters called as modules): output, input and probs gradients, every
     adapter factor's gradient; the fused call runs the kernels (never the adapters' forward)."""
-    pytest.importorskip("triton", reason="triton is not installed: the fused kernels are untested")
-    if not hasattr(torch.nn.functional, "grouped_mm"):
-        pytest.skip("this torch has no CPU grouped_mm for fc2 and fc1's input gradient")
     from mcore_torch_experts.kernels import choice
     from mcore_torch_experts.kernels import fused_experts as fused_module
     from mcore_torch_experts.lora import lora_parameters
