@@ -118,6 +118,33 @@ def moe_side_table(rows) -> list:
     return markdown_table(headers, lines) if lines else []
 
 
+def ceiling_lines(rows) -> list:
+    """Markdown bullets: for each of our profiled arms, the cycle if the MoE side of its update
+    pass cost only its expert-GEMM kernel time (the ceiling of a change to the experts alone,
+    GEMM kernels as they are), and that cycle's throughput against each reference arm of the
+    same layout beside the measured one. The logprob pass is not profiled: its MoE side stays
+    in, so the ceiling is a floor of what such a change could reach."""
+    ran = {(r["arm"], r["layout"], r["adapters"]): r for r in rows if "note" not in r}
+    lines = []
+    for (arm, layout, source), ours in ran.items():
+        if arm not in cm.TORCH_ARMS or "moe_side" not in ours:
+            continue
+        side = ours["moe_side"]
+        excess = side["moe_ms"]["median"] - side["gemm_ms"]["median"]
+        cycle = ours["cycle_ms"]["median"]
+        floor = cycle - excess
+        against = [f"{ran[(ref, layout, source)]['cycle_ms']['median'] / floor:.2f}x "
+                   f"{cm.ARMS[ref]} (measured "
+                   f"{ran[(ref, layout, source)]['cycle_ms']['median'] / cycle:.2f}x)"
+                   for ref in REFERENCES if (ref, layout, source) in ran]
+        lines.append(f"- {cm.ARMS[arm]} ({layout}, {source} adapters): cycle {cycle:.0f} ms; "
+                     f"the MoE side of the update pass {side['moe_ms']['median']:.0f} ms over "
+                     f"its {side['gemm_ms']['median']:.0f} ms of expert-GEMM kernels: at that "
+                     f"floor the cycle would be {floor:.0f} ms"
+                     + (": " + ", ".join(against) if against else ""))
+    return lines
+
+
 MOE_SIDE_TEXT = (
     "The MoE side of the update pass (router to combine), GPU ms of one profiled update pass, "
     "median (min–max) over the profiled passes: the kernels of the router, permute/dispatch, "
@@ -170,6 +197,11 @@ def slice_report(result, out_dir) -> tuple:
     if moe:
         lines += ["### MoE side of the update pass against its expert-GEMM kernel time", "",
                   MOE_SIDE_TEXT, ""] + moe + [""]
+        ceilings = ceiling_lines(result["rows"])
+        if ceilings:
+            lines += ["The ceiling of a change to the experts alone (medians; the update pass's "
+                      "MoE side at its expert-GEMM kernel time, the logprob pass as measured):",
+                      ""] + ceilings + [""]
     if any("profile" in r for r in result["rows"]):
         lines += ["### Update pass by component (torch profiler)", "",
                   "GPU time of the kernels each component launched in one profiled update pass "

@@ -127,6 +127,17 @@ def check_moe_side(rows, report_md, passes):
         assert len(cells) == 1, (row["module"], table)
         assert f"| {side['ratio']['median']:.2f} (" in cells[0]
     assert len([line for line in table.splitlines() if line.startswith("| ")]) == len(ran) + 1
+    # the ceiling of an experts-only change: the cycle with the MoE side at its GEMM kernel time
+    ceilings = report_md.split("The ceiling of a change to the experts alone")[1].split("###")[0]
+    for row in ran:
+        if row["arm"] not in ("torch", "torch-fp32-combine"):
+            continue
+        side, cycle = row["moe_side"], row["cycle_ms"]["median"]
+        floor = cycle - (side["moe_ms"]["median"] - side["gemm_ms"]["median"])
+        line = next(line for line in ceilings.splitlines()
+                    if f"({row['layout']}, {row['adapters']} adapters): cycle {cycle:.0f} ms"
+                    in line)
+        assert f"the cycle would be {floor:.0f} ms" in line, line
 
 
 @BENCH_SMOKE
