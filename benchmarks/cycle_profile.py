@@ -30,7 +30,7 @@ import statistics
 import time
 
 from harness import markdown_table, pyplot, save_figure, sync
-from mcore_torch_experts.enums import ProfileRange
+from mcore_torch_experts.enums import ExpertKernel, ProfileRange
 
 ATTENTION, ROUTER, LATENT, DISPATCH = ("attention", "router", "latent projections",
                                        "permute/dispatch")
@@ -69,7 +69,7 @@ def runs_fused_gemm(experts) -> bool:
     off (a forced "fused_gemm" raises, "auto" runs grouped_mm), so the ranges leave them to the
     package's own (PACKAGE_RANGES)."""
     kernels = getattr(experts, "kernels", None)
-    return kernels is not None and hasattr(kernels, "may_fuse") and kernels.may_fuse()
+    return getattr(kernels, "expert_kernel", None) == ExpertKernel.FUSED_GEMM
 
 
 def expert_kernels(model) -> list:

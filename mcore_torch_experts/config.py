@@ -416,10 +416,9 @@ class TorchExpertsTransformerConfig(TransformerConfig):
     moe_expert_kernel: str = "auto"
     """TorchGroupedMLP's kernels: "grouped_mm" (four grouped_mm GEMMs, the activation between),
     "fused_gemm" (Triton grouped GEMMs with the activation, probs and this package's LoRA adapters
-    in their epilogues; an error where it cannot run) or "auto" (fused_gemm on sm90 where the
-    nearest measured experts ran it faster, with adapters on the expert linears or without:
-    kernels.choice.FUSED_GEMM_MEASURED; a call it cannot compute takes grouped_mm and says so
-    once). The values: `mcore_torch_experts.enums.ExpertKernel`."""
+    in their epilogues; an error where it cannot run) or "auto" (fused_gemm on GPUs where it
+    measured faster, for non-gated activations; a call it cannot compute takes grouped_mm). The
+    values: `mcore_torch_experts.enums.ExpertKernel`."""
 
     moe_combine_in_fp32: bool = False
     """Sum each token's top-k expert outputs in FP32 with bounded memory (FP32CombineMoELayer in

@@ -70,7 +70,7 @@ def experts_summary(first_call: Optional[str] = None) -> str:
               for linear in linears) / 2**30
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     kernels = ([first_call] if first_call is not None else
-               sorted({m.path_taken(m.kernels.kernel_for(m.has_adapters()) == ExpertKernel.FUSED_GEMM,
+               sorted({m.path_taken(m.kernels.expert_kernel == ExpertKernel.FUSED_GEMM,
                                     m.linear_fc1.packed_weight.is_cuda) for m in modules}))
     return (f"mcore_torch_experts: rank {rank} runs TorchGroupedMLP experts in {len(modules)} "
             f"MoE layer(s): {len(weights)} expert weights ({gib:.2f} GiB packed), {frozen} of them "
@@ -367,11 +367,6 @@ class TorchGroupedMLP(MegatronModule):
         it covers the config, on CUDA tensors; torch ops otherwise."""
         return self.kernels.activation == ActivationImpl.FUSED and on_cuda
 
-    def has_adapters(self) -> bool:
-        """Whether an adapter wrapper (or another module) stands in for an expert linear."""
-        return not all(type(linear) is TorchGroupedLinear
-                       for linear in (self.linear_fc1, self.linear_fc2))
-
     def path_taken(self, fused_gemm: bool, on_cuda: bool) -> str:
         """The path of a call, as the log line names it: the grouped GEMM entry point, the expert
         kernel and where activation x probs runs."""
@@ -410,15 +405,11 @@ class TorchGroupedMLP(MegatronModule):
 
     def _fused_gemm_views(self, hidden: torch.Tensor) -> Optional[Tuple[FusedAdapter, ...]]:
         """fc1 and fc2 as the fused kernels see them when this call takes the fused GEMM path
-        (kernels.choice.plan_fused_gemm: each linear is read once per call; under "auto" the
-        path of calls with adapters on the expert linears or without, `kernels.kernel_for`),
-        else None; a forced "fused_gemm" that cannot run raises."""
-        if not self.kernels.may_fuse():
+        (kernels.choice.plan_fused_gemm: each linear is read once per call), else None; a
+        forced "fused_gemm" that cannot run raises."""
+        if self.kernels.expert_kernel != ExpertKernel.FUSED_GEMM:
             return None
         plan = plan_fused_gemm((self.linear_fc1, self.linear_fc2), TorchGroupedLinear, hidden)
-        adapters = any(v.base is None or v.factors is not None for v in plan.views)
-        if self.kernels.kernel_for(adapters) != ExpertKernel.FUSED_GEMM:
-            return None
         if plan.obstacle is None:
             return plan.views
         if self.kernels.setting == ExpertKernel.FUSED_GEMM:

@@ -6,12 +6,10 @@ the per-call obstacles of the fused GEMM path.
 fused Triton activation kernel on CUDA where it covers the config (`ActivationImpl.FUSED`) or as
 torch ops (`ActivationImpl.EAGER`); `ExpertKernel.FUSED_GEMM`: Triton grouped GEMMs with the
 activation in their epilogues (fused_experts_triton.py); `ExpertKernel.AUTO`: fused_gemm where it
-measured faster (FUSED_GEMM_MEASURED: the nearest measured experts with the same gating, with
-adapters on the expert linears or without, decide).
+measured faster.
 """
 
 import functools
-import math
 import types
 from dataclasses import dataclass
 from typing import Callable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
@@ -30,41 +28,9 @@ KERNEL_ACTIVATIONS = {squared_relu: 0, F.silu: 1}
 
 
 FUSED_GEMM_AUTO_CAPABILITIES = ((9, 0),)
-"""GPUs where "auto" may pick the fused GEMM kernels: those of FUSED_GEMM_MEASURED (sm90)."""
-
-
-class MeasuredShape(NamedTuple):
-    """Experts whose fused GEMM kernels were timed against grouped_mm + the fused activation
-    kernel on sm90 (an H200; BENCHMARKS.md, bench_experts.py: forward and input gradient, with
-    adapters the update pass of rank-16 LoRA): the experts' input size (the latent size where
-    there is one), their FFN size, gated or not, with LoRA adapters on the expert linears or not,
-    and the fused time over grouped_mm's, the worst of the runs."""
-
-    name: str
-    io_size: int
-    ffn: int
-    gated: bool
-    adapters: bool
-    time_ratio: float
-
-
-FUSED_GEMM_MEASURED = (
-    MeasuredShape("Nemotron-3 Super EP4", 1024, 2688, False, False, 0.966),
-    MeasuredShape("Nemotron-3 Nano", 2688, 1856, False, False, 0.905),
-    MeasuredShape("Nemotron-3 Super EP4", 1024, 2688, False, True, 0.742),
-    MeasuredShape("Nemotron-3 Nano", 2688, 1856, False, True, 0.818),
-    MeasuredShape("Qwen3-30B-A3B", 2048, 768, True, False, 1.106),
-    MeasuredShape("Qwen3-30B-A3B", 2048, 768, True, True, 0.900),
-    MeasuredShape("DeepSeek-V3 EP8", 7168, 2048, True, True, 1.10),
-)
-"""The table "auto" decides from (`nearest_measured`)."""
-
-
-def nearest_measured(io_size: int, ffn: int, gated: bool, adapters: bool) -> MeasuredShape:
-    """The measured experts nearest to these (same gating and adapters; sizes by log distance)."""
-    rows = [m for m in FUSED_GEMM_MEASURED if (m.gated, m.adapters) == (gated, adapters)]
-    return min(rows, key=lambda m: math.hypot(math.log2(io_size / m.io_size),
-                                              math.log2(ffn / m.ffn)))
+"""GPUs where "auto" picks the fused GEMM kernels, for non-gated activations only: there they
+measured faster than grouped_mm + the fused activation kernel on the H200; gated ones (SwiGLU)
+measured slower at every tiling tried (BENCHMARKS.md)."""
 
 
 def _triton_missing() -> Optional[str]:
@@ -122,41 +88,26 @@ class KernelChoice:
     """`moe_expert_kernel` as the config says it: a forced FUSED_GEMM raises where a call cannot
     take it, AUTO falls back to grouped_mm for that call."""
     expert_kernel: ExpertKernel
-    """FUSED_GEMM or GROUPED_MM: what calls without adapters on the expert linears take when
-    nothing stands in the way."""
+    """FUSED_GEMM or GROUPED_MM: what the calls take when nothing stands in the way."""
     activation: ActivationImpl
     """The grouped_mm path's activation x probs."""
-    with_adapters: Optional[ExpertKernel] = None
-    """The same for calls with adapters on the expert linears (None: `expert_kernel`); adapters
-    are attached after construction, so a call decides (`kernel_for`)."""
-
-    def kernel_for(self, adapters: bool) -> ExpertKernel:
-        """The expert kernel a call takes, by whether its expert linears carry adapters."""
-        return (self.with_adapters or self.expert_kernel) if adapters else self.expert_kernel
-
-    def may_fuse(self) -> bool:
-        """Whether some call may take the fused GEMM path."""
-        return ExpertKernel.FUSED_GEMM in (self.expert_kernel, self.with_adapters)
 
 
 def resolve_kernels(config, setting: Optional[ExpertKernel] = None) -> KernelChoice:
     """The kernels for this config on this machine (`setting`: its `moe_expert_kernel`, where
     already read); a bad setting is a TorchExpertsConfigError."""
     setting = check_expert_kernel(config, setting)
+    expert_kernel = setting
+    if setting == ExpertKernel.AUTO:
+        on_measured_gpu = (torch.cuda.is_available() and torch.cuda.get_device_capability()
+                           in FUSED_GEMM_AUTO_CAPABILITIES)
+        measured_faster = on_measured_gpu and not config.gated_linear_unit
+        expert_kernel = (ExpertKernel.FUSED_GEMM
+                         if measured_faster and fused_gemm_not_covered(config) is None
+                         else ExpertKernel.GROUPED_MM)
     activation = (ActivationImpl.FUSED if activation_kernel_not_covered(config) is None
                   else ActivationImpl.EAGER)
-    if setting != ExpertKernel.AUTO:
-        return KernelChoice(setting, setting, activation)
-    may_fuse = (torch.cuda.is_available() and torch.cuda.get_device_capability()
-                in FUSED_GEMM_AUTO_CAPABILITIES and fused_gemm_not_covered(config) is None)
-    io_size = config.hidden_size if config.moe_latent_size is None else config.moe_latent_size
-    kernel = {}
-    for adapters in (False, True):
-        measured = nearest_measured(io_size, config.moe_ffn_hidden_size,
-                                    bool(config.gated_linear_unit), adapters)
-        kernel[adapters] = (ExpertKernel.FUSED_GEMM if may_fuse and measured.time_ratio < 1
-                            else ExpertKernel.GROUPED_MM)
-    return KernelChoice(setting, kernel[False], activation, kernel[True])
+    return KernelChoice(setting, expert_kernel, activation)
 
 
 @functools.lru_cache(maxsize=None)

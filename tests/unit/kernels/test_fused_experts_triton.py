@@ -123,69 +123,6 @@ def test_kernel_setting_is_checked():
     assert uncovered.activation == "eager"  # neither Triton kernel computes GELU
 
 
-# (activation, gated, hidden, ffn): "auto" on sm90 without / with adapters on the expert linears
-AUTO_CASES = [
-    (("squared_relu", False, 1024, 2688), ("fused_gemm", "fused_gemm")),  # Nemotron-3 Super EP4
-    (("squared_relu", False, 4096, 512), ("fused_gemm", "fused_gemm")),  # non-gated: all measured faster
-    (("silu", True, 2048, 768), ("grouped_mm", "fused_gemm")),  # Qwen3-30B-A3B
-    (("silu", True, 1024, 512), ("grouped_mm", "fused_gemm")),  # nearer Qwen3 than DeepSeek-V3
-    (("silu", True, 7168, 2048), ("grouped_mm", "grouped_mm")),  # DeepSeek-V3 (1.10x with adapters)
-    (("silu", True, 4096, 1536), ("grouped_mm", "grouped_mm")),  # nearer DeepSeek-V3
-]
-
-
-@pytest.mark.parametrize("case,expected", AUTO_CASES)
-def test_auto_decides_from_the_nearest_measured_experts(monkeypatch, case, expected):
-    """On sm90 "auto" takes the fused kernels where the nearest measured experts (same gating,
-    adapters on the expert linears or not; sizes by log distance) ran them faster than
-    grouped_mm; on another GPU, or where they ran slower, grouped_mm. The table's rows are
-    their own answers."""
-    pytest.importorskip("triton")
-    from mcore_torch_experts.kernels.choice import FUSED_GEMM_MEASURED, nearest_measured
-
-    activation, glu, hidden, ffn = case
-    config = make_config(activation=activation, glu=glu, hidden=hidden, ffn=ffn)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (9, 0))
-    choice = resolve_kernels(config)
-    assert (choice.kernel_for(False), choice.kernel_for(True)) == expected
-    assert choice.may_fuse() == ("fused_gemm" in expected)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (8, 0))
-    other = resolve_kernels(config)
-    assert (other.kernel_for(False), other.kernel_for(True)) == ("grouped_mm", "grouped_mm")
-    for row in FUSED_GEMM_MEASURED:
-        assert nearest_measured(row.io_size, row.ffn, row.gated, row.adapters) == row
-
-
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
-                    reason="the interpreter runs the kernels on the CPU")
-def test_auto_decides_per_call_whether_the_expert_linears_carry_adapters(megatron_cpu, caplog,
-                                                                         monkeypatch):
-    """Adapters are attached after construction: a call without them takes the kernel "auto"
-    chose for bare experts (grouped_mm for SwiGLU at Qwen3-like sizes, silently), a call with
-    them the one for adapters (the fused kernels; on the CPU they cannot run, which is said)."""
-    from mcore_torch_experts import experts as experts_module
-
-    monkeypatch.setattr(experts_module, "_LOGGED_AUTO_FALLBACKS", set())
-    config = make_config(activation="silu", glu=True, moe_expert_kernel="auto")
-    experts = TorchGroupedMLP(config.num_moe_experts, config, pg_collection=megatron_cpu)
-    experts.requires_grad_(False)
-    experts.kernels = KernelChoice("auto", "grouped_mm", experts.kernels.activation,
-                                   "fused_gemm")  # as on sm90 at Qwen3-like sizes
-    x = torch.randn(8, config.hidden_size).bfloat16()
-    with caplog.at_level("WARNING", logger="mcore_torch_experts"):
-        experts(x, [2, 2, 2, 2], torch.rand(8))
-        assert experts.last_expert_kernel == ExpertKernel.GROUPED_MM and not caplog.records
-        for linear in ("linear_fc1", "linear_fc2"):
-            base = getattr(experts, linear)
-            setattr(experts, linear, LoRALinear(base, _adapter("shared", base)))
-        experts(x, [2, 2, 2, 2], torch.rand(8))
-    assert experts.last_expert_kernel == ExpertKernel.GROUPED_MM
-    assert [r.getMessage() for r in caplog.records] == [
-        "mcore_torch_experts: moe_expert_kernel='auto' runs grouped_mm, not the fused GEMM "
-        "kernels it picked for this config, in calls where the input is on cpu"]
-
-
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
                     reason="the interpreter runs the kernels on the CPU")
 def test_forced_fused_gemm_refuses_cpu_tensors(megatron_cpu):
