@@ -177,12 +177,13 @@ def bridge():
 def bridge_lora_model(lora_class, backend, share_expert_adapters, adapters=None):
     """A TE-spec GPT (the same weights for either experts backend) with Bridge's LoRA on
     attention and experts, under full uniform recompute with Bridge's recompute hook (its PEFT
-    call installs it) and the frozen-input guard. Adapter weights: `adapters` (by name) or
-    random (Bridge starts B at zero)."""
+    call installs it) and the frozen-input guard; its routers can record and replay their routes
+    (support/routing_replay.py). Adapter weights: `adapters` (by name) or random (Bridge starts
+    B at zero)."""
     from mcore_torch_experts.megatron.recompute import install_frozen_input_guard
 
     model = te_gpt(te_config(recompute_granularity="full", recompute_method="uniform",
-                             recompute_num_layers=1))  # TEGroupedMLP, seeded
+                             recompute_num_layers=1, moe_enable_routing_replay=True))
     if backend == "torch":
         convert_experts_to_torch(model)  # installs the guard too
     else:
@@ -205,17 +206,26 @@ def bridge_lora_model(lora_class, backend, share_expert_adapters, adapters=None)
 def test_bridge_lora_on_te_spec_gpt_torch_experts_match_te_experts(te_world, bridge,
                                                                    share_expert_adapters):
     from mcore_torch_experts import merge_bridge_lora
+    from support.routing_replay import forget_routers, recorded_routes, replayed_routes
     from support.tiny_gpt import batch
 
     inputs, positions, mask, labels = (t.cuda() for t in batch())
-    results, adapters = {}, None
-    for backend in ("transformer_engine", "torch"):
-        model = bridge_lora_model(bridge, backend, share_expert_adapters, adapters)
-        adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-        loss = model(inputs, positions, mask, labels=labels).float().mean()
-        loss.backward()
-        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
-        results[backend] = model, loss.item(), grads
+    results, adapters, routes = {}, None, None
+    try:
+        for backend in ("transformer_engine", "torch"):
+            model = bridge_lora_model(bridge, backend, share_expert_adapters, adapters)
+            adapters = {n: p.detach().clone() for n, p in model.named_parameters()
+                        if p.requires_grad}
+            # TEGroupedMLP's routes replayed: a near-tied choice would flip with our rounding
+            routing = recorded_routes(model) if routes is None else replayed_routes(model, routes)
+            with routing as recorded:
+                loss = model(inputs, positions, mask, labels=labels).float().mean()
+                loss.backward()
+            routes = routes or recorded
+            grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+            results[backend] = model, loss.item(), grads
+    finally:
+        forget_routers()
     (_, te_loss, te_grads), (ours, loss, grads) = results["transformer_engine"], results["torch"]
     assert grads.keys() == te_grads.keys() and len(grads) > 0
     assert any(".experts.linear_fc1.adapter" in name for name in grads)

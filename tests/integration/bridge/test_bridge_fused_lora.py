@@ -235,3 +235,57 @@ def test_bridges_adapters_pass_the_adapter_check(bridge, megatron_cpu, layout):
     x, probs, _ = inputs()
     with pytest.raises(RuntimeError, match="runs Triton kernels on CUDA tensors"):
         experts(x, torch.tensor(SPLITS), probs)
+
+
+@pytest.mark.triton_interpreter
+@pytest.mark.skipif(torch.cuda.is_available(),  # decided before a child interpreter starts
+                    reason="on a CUDA host the kernels run compiled (tests/unit/test_te_parity.py)")
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_gpt_trains_bridges_adapters_in_the_fused_kernels_as_on_grouped_mm(bridge, megatron_cpu,
+                                                                             layout):
+    """A whole BF16 GPT (dense, MoE, MoE; 4 SwiGLU experts) with Bridge's LoRA on attention and
+    experts: "fused_gemm" against "grouped_mm", the routes of the grouped_mm arm replayed in the
+    fused arm (support/routing_replay.py; at these seeds the last MoE layer has a near-tied
+    choice that the arms' rounding flips): the loss and every adapter's gradient agree."""
+    from megatron.core.models.gpt import GPTModel
+
+    from mcore_torch_experts.specs import get_gpt_decoder_block_spec
+    from support.routing_replay import forget_routers, recorded_routes, replayed_routes
+    from support.tiny_gpt import SEQ, VOCAB, batch, tiny_config
+
+    inputs, positions, mask, labels = batch()
+    results, adapters, routes = {}, None, None
+    try:
+        for kernel in ("grouped_mm", "fused_gemm"):
+            config = tiny_config(moe_expert_gemm_backend="torch", moe_grouped_gemm=True,
+                                 moe_expert_kernel=kernel, moe_enable_routing_replay=True)
+            torch.manual_seed(0)
+            model = GPTModel(config=config, vocab_size=VOCAB, max_sequence_length=SEQ,
+                             transformer_layer_spec=get_gpt_decoder_block_spec(
+                                 config, use_transformer_engine=False)).bfloat16()
+            model = bridge["LoRA"](target_modules=["linear_qkv", "linear_proj", "linear_fc1",
+                                                   "linear_fc2"], dim=8, alpha=16,
+                                   **LAYOUTS[layout])(model, training=True)
+            trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+            generator = torch.Generator().manual_seed(3)
+            with torch.no_grad():
+                for name, p in trainable.items():
+                    p.copy_(torch.randn(p.shape, generator=generator) * 0.05 if adapters is None
+                            else adapters[name])
+            adapters = {n: p.detach().clone() for n, p in trainable.items()}
+            routing = (recorded_routes(model) if routes is None
+                       else replayed_routes(model, routes))
+            with routing as recorded:
+                loss = model(inputs, positions, mask, labels=labels).float().mean()
+                loss.backward()
+            routes = routes or recorded
+            ran = {m.last_expert_kernel for m in model.modules() if isinstance(m, TorchGroupedMLP)}
+            assert ran == {kernel}, ran
+            results[kernel] = loss.item(), {n: p.grad for n, p in trainable.items()}
+    finally:
+        forget_routers()
+    (loss, grads), (fused_loss, fused_grads) = results["grouped_mm"], results["fused_gemm"]
+    assert fused_loss == pytest.approx(loss, rel=1e-3)
+    assert any(".experts.linear_fc1.adapter" in name for name in grads)
+    errors = {name: rel_err(fused_grads[name], grad) for name, grad in grads.items()}
+    assert max(errors.values()) < 5e-2, sorted(errors.items(), key=lambda kv: -kv[1])[:4]
