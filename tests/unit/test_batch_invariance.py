@@ -300,3 +300,69 @@ def test_in_the_mode_our_experts_against_megatrons_sequential_mlp(megatron_world
     # Where the kernels agree (an H100: grouped GEMM and the mode's matmul; the same torch ops
     # for the activation), bit for bit.
     assert torch.equal(out_eager, out_megatron), figures
+
+
+def have_deepgemm_bf16() -> bool:
+    try:
+        from megatron.core.transformer.custom_layers.batch_invariant_kernels import (
+            HAVE_DEEPGEMM_BF16,
+        )
+    except ImportError:
+        return False
+    return HAVE_DEEPGEMM_BF16
+
+
+@needs_moe_mode
+@gpu_in_the_mode
+@pytest.mark.skipif(not have_deepgemm_bf16(), reason="Megatron's TEGroupedMLP in the mode runs "
+                    "DeepGEMM's BF16 grouped GEMM (megatron-core 0.20 asserts it for any MoE model "
+                    "in the mode): DeepGEMM is not importable here")
+def test_in_the_mode_our_experts_against_megatrons_te_grouped_mlp(megatron_world):
+    """Megatron's batch-invariant TEGroupedMLP (TE's grouped GEMM patched to DeepGEMM's) on the
+    same weights: where the two grouped GEMMs differ, the first op that differs (fc1) and by how
+    much; both within BF16 noise of FP64; printed for docs/guarantees.md."""
+    from megatron.core.transformer.custom_layers.batch_invariant_kernels import (
+        set_batch_invariant_mode,
+    )
+
+    from mcore_torch_experts import specs
+    from support.reference import fp64_experts, rel_err
+
+    def experts(backend):
+        config = TorchExpertsTransformerConfig(**dict(
+            VALID, hidden_size=HIDDEN, num_moe_experts=EXPERTS, moe_ffn_hidden_size=FFN,
+            moe_router_topk=TOP_K, gated_linear_unit=True,
+            activation_func=torch.nn.functional.silu, moe_expert_gemm_backend=backend,
+            moe_permute_fusion=False, **invariant_settings()))
+        torch.manual_seed(0)
+        spec = specs.get_gpt_layer_with_transformer_engine_spec(config).submodules.mlp
+        layer = _compat.build_moe_layer(spec, config, pg_collection=megatron_world).cuda()
+        return config, layer.experts.requires_grad_(False)
+
+    _, megatron = experts("transformer_engine")
+    config, ours = experts("torch")
+    assert type(megatron).__name__ == "TEGroupedMLP" and isinstance(ours, TorchGroupedMLP)
+    missing, unexpected = ours.load_state_dict(megatron.state_dict(), strict=False)
+    assert all("_extra_state" in key for key in [*missing, *unexpected]), (missing, unexpected)
+    splits = [300, 0, 17, 129, 64, 1, 250, 3, 90, 0, 44, 200, 8, 77, 128, 5]
+    x = torch.randn(sum(splits), HIDDEN, device="cuda").bfloat16()
+    probs = torch.rand(sum(splits), device="cuda")
+    fc1 = {}
+    for name, module in (("ours", ours), ("megatron", megatron)):
+        module.linear_fc1.register_forward_hook(
+            lambda m, a, out, name=name: fc1.__setitem__(name, out[0]))
+    with set_batch_invariant_mode(True, backend="triton"):
+        out_megatron, _ = megatron(x, torch.tensor(splits), probs)
+        out_ours, _ = ours(x, torch.tensor(splits), probs)
+    reference = fp64_experts(config, ours.linear_fc1.packed_weight, ours.linear_fc2.packed_weight,
+                             x.double(), splits, probs)
+    figures = dict(
+        fc1_max_abs=(fc1["ours"] - fc1["megatron"]).abs().max().item(),
+        fc1_differing=(fc1["ours"] != fc1["megatron"]).float().mean().item(),
+        out_max_abs=(out_ours - out_megatron).abs().max().item(),
+        out_differing=(out_ours != out_megatron).float().mean().item(),
+        ours_vs_fp64=rel_err(out_ours, reference), megatron_vs_fp64=rel_err(out_megatron, reference))
+    print("\n[batch invariance, against TEGroupedMLP (DeepGEMM) in the mode] "
+          + " ".join(f"{k}={v:.3g}" for k, v in figures.items()))
+    assert figures["ours_vs_fp64"] < 1e-2 and figures["megatron_vs_fp64"] < 1e-2
+    assert rel_err(out_ours, out_megatron) < 1e-2
