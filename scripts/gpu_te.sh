@@ -25,8 +25,9 @@ gpu_env || exit 1
 python3 -W ignore -c "import torch, transformer_engine as te, megatron.core as m; print(f'[te leg] torch {torch.__version__}, Transformer Engine {te.__version__}, megatron-core {m.__version__}, {torch.cuda.get_device_name()}')" \
   2>&1 | tee "$out/te_leg.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu_te: Transformer Engine does not import"; exit 1; }
-# One pytest worker per test file (pytest-xdist): the files run in parallel on the 16 cores.
-python3 -m pytest -q -p no:cacheprovider -rs -n 8 --dist loadfile --junitxml="$out/junit.xml" \
+# One pytest worker per test file (pytest-xdist): the files run in parallel on the 16 cores. One
+# line per test (-v), so a run cut short by a time limit still names what failed before it.
+python3 -m pytest -v -p no:cacheprovider -rs -n 8 --dist loadfile --junitxml="$out/junit.xml" \
   "${@:-tests}" 2>&1 | tee -a "$out/te_leg.log"
 suite=${PIPESTATUS[0]}
 # The parity gate's figures (errors against the FP64 loop, TorchGroupedMLP and TEGroupedMLP).
