@@ -7,6 +7,8 @@ whose tokens pile onto few experts), in both expert kernels and both combines.
 It runs in the TE leg on a GPU with FlashAttention 3 (`flash_attn_3`) or 4 (`flash-attn-4`)
 installed, which Megatron 0.20 requires in the mode; elsewhere it skips saying so."""
 
+import os
+
 import pytest
 import torch
 
@@ -89,16 +91,34 @@ def probe_logprobs(model, sequences, at, skewed):
         return -model(tokens, positions, None, labels=labels)[at].float()
 
 
+@pytest.fixture
+def flash_attention_env():
+    """Megatron pins the attention backend in the mode by setting TE's NVTE_* variables when it
+    builds the model, and TE caches its choice: both undone after the test, so that the test
+    files after it in this process build and choose as they would have."""
+    from transformer_engine.pytorch.attention.dot_product_attention import (
+        dot_product_attention as te_dpa,
+    )
+
+    names = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN", "NVTE_FLASH_ATTN_V2",
+             "NVTE_FLASH_ATTN_V3", "NVTE_FLASH_ATTN_V4")
+    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
+    try:
+        yield te_dpa._attention_backends
+    finally:
+        for name in names:
+            os.environ.pop(name, None)
+        os.environ.update(saved)
+        te_dpa._attention_backends["attention_params"] = None
+
+
 @pytest.mark.parametrize("adapter", ["shared", "per_expert"])
 @pytest.mark.parametrize("combine", ["megatron", "fp32_triton"])
 @pytest.mark.parametrize("kernel", ["grouped_mm", "fused_gemm"])
-def test_one_sequences_logprobs_are_bitwise_the_same_in_any_batch(te_world, kernel, combine,
-                                                                  adapter):
+def test_one_sequences_logprobs_are_bitwise_the_same_in_any_batch(te_world, flash_attention_env,
+                                                                  kernel, combine, adapter):
     from megatron.core.transformer.custom_layers.batch_invariant_kernels import (
         set_batch_invariant_mode,
-    )
-    from transformer_engine.pytorch.attention.dot_product_attention import (
-        dot_product_attention as te_dpa,
     )
 
     model = invariant_gpt(kernel, combine, adapter)
@@ -106,7 +126,7 @@ def test_one_sequences_logprobs_are_bitwise_the_same_in_any_batch(te_world, kern
         logprobs = {context: probe_logprobs(model, *setting)
                     for context, setting in CONTEXTS.items()}
         again = probe_logprobs(model, *CONTEXTS["alone"])
-        backends = dict(te_dpa._attention_backends)
+        backends = dict(flash_attention_env)
     kernels_ran = {m.last_expert_kernel.value for m in model.modules()
                    if type(m).__name__ == "TorchGroupedMLP"}
     alone = logprobs["alone"]
