@@ -25,6 +25,8 @@ import ray
 from nemo_rl.models.policy.utils import get_runtime_env_for_policy_worker
 from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorkerImpl
 
+from .. import _compat
+from ..config import BATCH_INVARIANT_MIN_RELEASE
 from ..errors import TorchExpertsConfigError
 from ..megatron.specs import torch_experts_gpt_spec, torch_experts_hybrid_stack_spec
 from .bridge import register_with_megatron_bridge
@@ -54,10 +56,20 @@ def recorded_specs(path) -> Optional[list]:
             if isinstance(entry, dict) and entry.get("_target_")]
 
 
+def batch_invariant_requested(config) -> bool:
+    """Whether the worker's policy config asks for Megatron's batch_invariant_mode: NeMo-RL sets a
+    model field it has no setting of its own for through policy.megatron_cfg.model_overrides."""
+    overrides = ((config or {}).get("megatron_cfg") or {}).get("model_overrides") or {}
+    return bool(overrides.get("batch_invariant_mode"))
+
+
 def enable_torch_experts(worker, config=None) -> None:
     """Let this process's Megatron-Bridge rebuild providers naming the package's specs, register
     TorchGroupedLinear with Bridge's PEFT, and give `worker` the specs NeMo-RL's HF import puts
     on the provider (GPT: torch_experts_gpt_spec; hybrid: torch_experts_hybrid_stack_spec).
+    Where the config asks for batch_invariant_mode, turn Megatron's batch-invariant kernels on in
+    this process first, as Megatron-LM's `--batch-invariant-mode` does in its initialize and
+    NeMo-RL does not: our experts refuse a forward in the mode without them.
 
     `config` (the worker's policy config): NeMo-RL skips its HF import, where the spec goes, for a
     `pretrained_checkpoint`. One of format `megatron_bridge` is taken where its run_config.yaml
@@ -89,6 +101,18 @@ def enable_torch_experts(worker, config=None) -> None:
                 "TorchExpertsMegatronPolicyWorker puts the spec, so its experts would be "
                 "Megatron's. Save the checkpoint from a provider whose transformer_layer_spec is "
                 f"mcore_torch_experts.specs.torch_experts_gpt_spec, or: {fix}.")
+    if batch_invariant_requested(config):
+        release = _compat.megatron_core_release()
+        if release < BATCH_INVARIANT_MIN_RELEASE:
+            raise TorchExpertsConfigError(
+                "policy.megatron_cfg.model_overrides.batch_invariant_mode=True: batch-invariant "
+                "MoE needs megatron-core >= 0.20 (its fixed-order unpermute and router); this is "
+                f"{'.'.join(map(str, release))}. Upgrade megatron-core or remove the override.")
+        from megatron.core.transformer.custom_layers.batch_invariant_kernels import (
+            enable_batch_invariant_mode,
+        )
+
+        enable_batch_invariant_mode(backend="triton")
     register_allowed_target_prefix("mcore_torch_experts")
     register_with_megatron_bridge()
     worker._transformer_layer_spec = torch_experts_gpt_spec

@@ -217,6 +217,33 @@ def load_nemo_rl_extension():
     return module, reexported
 
 
+def batch_invariant_kernels_turned_on(extension) -> dict:
+    """{case: the backends enable_torch_experts turned Megatron's batch-invariant kernels on with,
+    or its refusal} for a policy config with and without model_overrides.batch_invariant_mode.
+    Megatron's enable_batch_invariant_mode patches Transformer Engine's kernels and runs on CUDA
+    only: on this CPU host the call is recorded in its place, not run."""
+    import types
+
+    from megatron.core.transformer.custom_layers import batch_invariant_kernels
+
+    calls, original = [], batch_invariant_kernels.enable_batch_invariant_mode
+    batch_invariant_kernels.enable_batch_invariant_mode = (
+        lambda backend="deepgemm": calls.append(backend))
+    turned_on = {}
+    try:
+        for case, overrides in (("asked", {"batch_invariant_mode": True}), ("not asked", {})):
+            try:
+                extension.enable_torch_experts(types.SimpleNamespace(), {
+                    "pretrained_checkpoint": None, "megatron_cfg": {"model_overrides": overrides}})
+                turned_on[case] = list(calls)
+            except Exception as error:  # noqa: BLE001 - recorded for the test
+                turned_on[case] = f"{type(error).__name__}: {error}"
+            calls[:] = []
+    finally:
+        batch_invariant_kernels.enable_batch_invariant_mode = original
+    return turned_on
+
+
 def nemo_rl_calls(out: Path) -> dict:
     """NeMo-RL's Megatron policy setup, call for call (nemo_rl/models/megatron/community_import.py
     `import_model_from_hf_name`, setup.py `setup_model_config`, `setup_model_and_optimizer`,
@@ -245,6 +272,7 @@ def nemo_rl_calls(out: Path) -> dict:
         except Exception as error:  # noqa: BLE001 - recorded for the test
             result["nemo_rl_refusals"][fmt] = f"{type(error).__name__}: {error}"
         result[f"nemo_rl_{fmt}_left_unset"] = not vars(refused)
+    result["nemo_rl_batch_invariant_kernels"] = batch_invariant_kernels_turned_on(extension)
     extension.enable_torch_experts(worker, {"pretrained_checkpoint": None})
     # MegatronPolicyWorkerImpl.__init__ -> handle_model_import -> import_model_from_hf_name
     transformer_layer_spec = getattr(worker, "_transformer_layer_spec", None)

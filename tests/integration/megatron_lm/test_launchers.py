@@ -11,6 +11,7 @@
 
 import dataclasses
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -349,6 +350,25 @@ def test_nemo_rl_extension_worker_gives_its_import_the_spec(bridge_run):
     assert bridge_run["nemo_rl_provider_spec"] == "torch_experts_gpt_spec"
     # examples/nemo_rl_worker.py names the package's class and function.
     assert bridge_run["nemo_rl_example_reexports"]
+
+
+def test_nemo_rl_extension_turns_megatrons_batch_invariant_kernels_on_where_the_mode_is_asked(
+        bridge_run):
+    """NeMo-RL never turns Megatron's batch-invariant kernels on, and our experts refuse a forward
+    in the mode without them: the extension does it, with the backend our kernels were proven
+    bitwise under, where policy.megatron_cfg.model_overrides asks for the mode (only there);
+    before megatron-core 0.20 it refuses the override, naming the release."""
+    from mcore_torch_experts import _compat
+
+    turned_on = bridge_run["nemo_rl_batch_invariant_kernels"]
+    assert turned_on["not asked"] == []
+    if _compat.megatron_core_release() >= (0, 20):
+        assert turned_on["asked"] == ["triton"]
+    else:
+        assert re.match(r"TorchExpertsConfigError: policy\.megatron_cfg\.model_overrides\."
+                        r"batch_invariant_mode=True: batch-invariant MoE needs megatron-core "
+                        r">= 0\.20 .*Upgrade megatron-core or remove the override\.$",
+                        turned_on["asked"]), turned_on["asked"]
 
 
 def test_nemo_rl_extension_refuses_a_megatron_lm_pretrained_checkpoint(bridge_run):
