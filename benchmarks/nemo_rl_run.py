@@ -15,6 +15,13 @@ ours and of the stock worker save with the worker's `save_checkpoint`; a later p
 tensor differs from the trained one, the report says whether it holds its initial value and
 whether the checkpoint holds the trained one.
 
+`torch-invariant` (not among the default arms): ours in Megatron's batch_invariant_mode, set as
+a NeMo-RL user sets it (`attention_backend: flash`, no permute fusion, the alltoall dispatcher,
+`model_overrides: {batch_invariant_mode: true, flash_attention_version, attention_dropout: 0}`),
+one logprob micro-batch of all sequences; sequence 0's logprobs alone must be bitwise its
+logprobs among the others. It needs FlashAttention 3 or 4 and DeepGEMM importable (Megatron's
+config asserts it for an MoE model in the mode; our experts never call it).
+
 Checks: ours builds TorchGroupedMLP experts; the first logprobs (before any step) match the
 stock worker's on the same checkpoint within BF16 noise; the GRPO losses follow the stock
 worker's; the expert weights never change; the resumed worker holds the trained worker's
@@ -57,7 +64,14 @@ ARMS = {
     "stock-resumed": ("stock", True, False, True),
     "stock-full": ("stock", False, False, False),
     "torch-full": ("torch", False, False, False),
+    "torch-invariant": ("torch", True, False, False),
 }
+# Ours in Megatron's batch_invariant_mode, set as a NeMo-RL user sets it (first-class settings and
+# policy.megatron_cfg.model_overrides; the extension turns Megatron's kernels on), its logprob pass
+# over all sequences at once. Not run by default: Megatron's config asks DeepGEMM to be importable
+# for an MoE model in the mode, and the mode asks for FlashAttention 3 or 4.
+INVARIANT_ARMS = ("torch-invariant",)
+DEFAULT_ARMS = [arm for arm in ARMS if arm not in INVARIANT_ARMS]
 SAVING_ARMS = ("torch", "stock")  # the arms a "-resumed" arm resumes from
 REPO = Path(__file__).resolve().parents[1]
 # What the arms import besides the package: the CPU test's worker helpers (tests/integration/nemo_rl), the
@@ -126,6 +140,15 @@ def worker(arm: str, out: Path, steps: int) -> None:
     policy["megatron_cfg"]["train_iters"] = steps   # what grpo.py sets from its step count
     policy["megatron_cfg"]["optimizer"].update(lr=1e-4, min_lr=1e-4)
     policy["megatron_cfg"]["scheduler"].update(lr_warmup_iters=0, lr_warmup_init=1e-4)
+    if arm in INVARIANT_ARMS:
+        from megatron.core.transformer import attention
+
+        policy["logprob_batch_size"] = SEQUENCES
+        policy["megatron_cfg"].update(attention_backend="flash", moe_permute_fusion=False,
+                                      moe_token_dispatcher_type="alltoall")
+        policy["megatron_cfg"]["model_overrides"] = {
+            "batch_invariant_mode": True, "attention_dropout": 0.0,
+            "flash_attention_version": 4 if attention.HAVE_FA4 else 3}
     recipe = load_config(str(nemo_rl_configs() / shared.NEMO_RL_CONFIG))
     loss_fn = ClippedPGLossFn(ClippedPGLossConfig(**recipe["loss_fn"]))
     if kind == "torch":
@@ -161,6 +184,11 @@ def worker(arm: str, out: Path, steps: int) -> None:
             step_dir / "policy" / "weights")
         (out / f"{arm}.json").write_text(json.dumps(result))
         return
+    if arm in INVARIANT_ARMS:
+        # Sequence 0's logprobs alone against the same sequence among the others, in one call.
+        batched = built.get_logprobs(data=data)["logprobs"][0]
+        alone = built.get_logprobs(data=grpo_batch(shared, tokens[:1]))["logprobs"][0]
+        result["alone_vs_batched_logprobs_max_abs"] = shared.max_abs(alone[1:], batched[1:])
     torch.save(model_state(model), out / f"{kind}_initial_state.pt")
     experts_before = {n: p.detach().clone() for n, p in model.named_parameters()
                       if ".mlp.experts." in n and "adapter" not in n}
@@ -298,6 +326,12 @@ def run_arm(arm: str, out: Path, args) -> dict:
     return json.loads((out / f"{arm}.json").read_text())
 
 
+def train_ms_of(result, skip: int):
+    """The median `train` ms of an arm's timed steps (None for an arm without steps)."""
+    steps = (result or {}).get("steps")
+    return statistics.median(s["train_ms"] for s in steps[skip:] or steps) if steps else None
+
+
 def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-6)
 
@@ -307,7 +341,7 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--skip", type=int, default=2, help="steps left out of the timing")
-    parser.add_argument("--arms", default=",".join(ARMS),
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS),
                         help=f"comma-separated, of {', '.join(ARMS)}")
     parser.add_argument("--arm", choices=list(ARMS), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -381,6 +415,14 @@ def main() -> None:
                     ok &= diff < 0.1
             ok &= loss < 0.05
         ok &= result["expert_weights_changed"] == 0 or arm == "stock-full"
+        if arm in INVARIANT_ARMS:
+            alone = result["alone_vs_batched_logprobs_max_abs"]
+            notes.append(f"batch_invariant_mode: sequence 0's logprobs alone vs among "
+                         f"{SEQUENCES}: max abs {alone:.1e}")
+            ok &= alone == 0.0
+            ours = train_ms_of(results.get("torch"), args.skip)
+            if ours:
+                notes.append(f"train x ours without the mode {ours / train:.2f}")
         notes.append(f"repeated logprob pass: max abs {result['repeat_logprobs_max_abs']:.1e}")
         rows.append([arm, ", ".join(sorted(set(result["experts"]))),
                      f"{train:.1f} ({min(s['train_ms'] for s in timed_steps):.1f}–"
@@ -398,13 +440,10 @@ def main() -> None:
     body += harness.markdown_table(["arm", "experts", "train ms / step", "logprob ms",
                                     "loss, first → last", "peak GiB", "expert weights changed",
                                     "against the stock worker"], rows)
-    def train_ms(arm):
-        steps = results.get(arm, {}).get("steps")
-        return statistics.median(s["train_ms"] for s in steps[args.skip:] or steps) \
-            if steps else None
-
-    summary = dict(ms_ours=train_ms("torch"), ms_stock=train_ms("stock"),
-                   ms_cutlass=train_ms("stock-cutlass"),
+    summary = dict(ms_ours=train_ms_of(results.get("torch"), args.skip),
+                   ms_stock=train_ms_of(results.get("stock"), args.skip),
+                   ms_cutlass=train_ms_of(results.get("stock-cutlass"), args.skip),
+                   ms_ours_invariant=train_ms_of(results.get("torch-invariant"), args.skip),
                    loss_diff=max((rel(a["loss"], b["loss"]) for a, b in zip(
                        results.get("torch", {}).get("steps", []),
                        results.get("stock", {}).get("steps", []))), default=None),
