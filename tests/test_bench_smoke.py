@@ -487,6 +487,19 @@ def test_megatron_lm_run_refuses_a_batch_list_it_cannot_read(tmp_path):
 
 
 @BENCH_SMOKE
+@pytest.mark.parametrize("options, message", [
+    (["--slice", "qwen3-30b-a3b"], "--slice 'qwen3-30b-a3b': give MODEL:LAYERS"),
+    (["--rounds", "0"], "--rounds and --micro-batches must be at least 1"),
+    pytest.param([], "needs a CUDA GPU and Transformer Engine", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="on a CUDA host the benchmark would run"))])
+def test_batch_invariant_cycle_cost_refuses_what_it_cannot_run(tmp_path, options, message):
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "batch_invariant_cycle_cost.py"),
+                           "--out-dir", str(tmp_path), *options], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+
+
+@BENCH_SMOKE
 def test_batch_invariance_probe_tiny_finds_the_control_and_reports_every_piece(tmp_path):
     """The probe's CPU smoke run (Triton pieces in the interpreter): every piece of ours reported
     for every batch, and the control (a batch-dependent op) found batch-dependent. Every piece
