@@ -26,9 +26,9 @@ Needs a CUDA GPU, megatron-core 0.20, Transformer Engine and FlashAttention 3 or
 """
 
 import argparse
+import contextlib
 import dataclasses
 import gc
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -39,9 +39,8 @@ import cycle_models as cm
 import cycle_passes as passes
 import harness
 from shapes import SLICES
+from support.batch_invariance import attention_env, flash_attention_version
 
-ATTENTION_ENV = tuple(f"NVTE_{name}" for name in (
-    "FLASH_ATTN", "FUSED_ATTN", "UNFUSED_ATTN", "FLASH_ATTN_V2", "FLASH_ATTN_V3", "FLASH_ATTN_V4"))
 ARMS = {  # arm: (experts backend, mode on, FP32 Triton combine)
     "ours, mode off": ("torch", False, False),
     "ours, mode on, FP32 Triton combine": ("torch", True, True),
@@ -49,12 +48,6 @@ ARMS = {  # arm: (experts backend, mode on, FP32 Triton combine)
     "TEGroupedMLP, mode off": (None, False, False),
     "TEGroupedMLP, mode on": (None, True, False),
 }
-
-
-def flash_attention_version():
-    from megatron.core.transformer import attention
-
-    return 4 if attention.HAVE_FA4 else 3 if attention.HAVE_FA3 else None
 
 
 def arm_config(base, arm: str, flash: int):
@@ -79,15 +72,9 @@ class Arm:
         from mcore_torch_experts import convert_moe_layers_to_fp32_combine
 
         self.name, self.mode = name, ARMS[name][1]
-        saved = {k: os.environ.pop(k) for k in ATTENTION_ENV if k in os.environ}
-        try:
+        with attention_env() as self.env:
             config = arm_config(base_config, name, flash)
             model = cm.build_base(model_slice, layers, config, "te", args, device)
-            self.env = {k: os.environ[k] for k in ATTENTION_ENV if k in os.environ}
-        finally:
-            for key in ATTENTION_ENV:
-                os.environ.pop(key, None)
-            os.environ.update(saved)
         if ARMS[name][2]:
             convert_moe_layers_to_fp32_combine(model)
         cm.add_adapters(model, args, "shared")
@@ -99,22 +86,14 @@ class Arm:
         from megatron.core.transformer.custom_layers.batch_invariant_kernels import (
             set_batch_invariant_mode,
         )
-        from transformer_engine.pytorch.attention.dot_product_attention import (
-            dot_product_attention as te_dpa,
-        )
 
-        self.saved = {k: os.environ.pop(k) for k in ATTENTION_ENV if k in os.environ}
-        os.environ.update(self.env)
-        te_dpa._attention_backends["attention_params"] = None   # choose again under this env
-        self.mode_context = set_batch_invariant_mode(self.mode, backend="triton")
-        self.mode_context.__enter__()
+        self.contexts = contextlib.ExitStack()
+        self.contexts.enter_context(attention_env(self.env))   # TE chooses again under it
+        self.contexts.enter_context(set_batch_invariant_mode(self.mode, backend="triton"))
         return self.cycle
 
     def __exit__(self, *exc):
-        self.mode_context.__exit__(*exc)
-        for key in ATTENTION_ENV:
-            os.environ.pop(key, None)
-        os.environ.update(self.saved)
+        self.contexts.close()
 
     def alone_vs_batched(self) -> float:
         """max |logprobs of sequence 0 alone - the same inside micro-batch 0|."""

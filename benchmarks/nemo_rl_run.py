@@ -141,14 +141,14 @@ def worker(arm: str, out: Path, steps: int) -> None:
     policy["megatron_cfg"]["optimizer"].update(lr=1e-4, min_lr=1e-4)
     policy["megatron_cfg"]["scheduler"].update(lr_warmup_iters=0, lr_warmup_init=1e-4)
     if arm in INVARIANT_ARMS:
-        from megatron.core.transformer import attention
+        from support.batch_invariance import flash_attention_version
 
         policy["logprob_batch_size"] = SEQUENCES
         policy["megatron_cfg"].update(attention_backend="flash", moe_permute_fusion=False,
                                       moe_token_dispatcher_type="alltoall")
         policy["megatron_cfg"]["model_overrides"] = {
             "batch_invariant_mode": True, "attention_dropout": 0.0,
-            "flash_attention_version": 4 if attention.HAVE_FA4 else 3}
+            "flash_attention_version": flash_attention_version()}
     recipe = load_config(str(nemo_rl_configs() / shared.NEMO_RL_CONFIG))
     loss_fn = ClippedPGLossFn(ClippedPGLossConfig(**recipe["loss_fn"]))
     if kind == "torch":

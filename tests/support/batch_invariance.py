@@ -1,8 +1,11 @@
 """batch_invariant_mode probes (megatron-core 0.20): an MoE layer in the mode, a batch of probe
 tokens alone and among other tokens, and how far the probe tokens' output and input gradient
-move from the alone run's. Shapes: x [S, 1, H] (S tokens, H hidden), probe slice [P]."""
+move from the alone run's; the FlashAttention a whole model in the mode runs, and TE's attention
+variables kept apart per model. Shapes: x [S, 1, H] (S tokens, H hidden), probe slice [P]."""
 
+import contextlib
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -35,6 +38,44 @@ def gpu_in_the_mode(test):
                  pytest.mark.te, pytest.mark.gpu):
         test = mark(test)
     return test
+
+
+ATTENTION_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN", "NVTE_FLASH_ATTN_V2",
+                 "NVTE_FLASH_ATTN_V3", "NVTE_FLASH_ATTN_V4")
+
+
+def flash_attention_version():
+    """4 or 3 where Megatron finds that FlashAttention importable (its attention module's own
+    HAVE_FA4 / HAVE_FA3: FA4 4.0.0b20 or newer with the CuTe DSL, FA3's interface), else None."""
+    from megatron.core.transformer import attention
+
+    if getattr(attention, "HAVE_FA4", False):
+        return 4
+    return 3 if getattr(attention, "HAVE_FA3", False) else None
+
+
+@contextlib.contextmanager
+def attention_env(values=None):
+    """TE's NVTE_* attention variables set to `values` (None: none set) for the duration, and TE's
+    cached backend choice dropped on the way in and out. Megatron sets those variables when it
+    builds a model (pinned to FlashAttention in the mode): the dict yielded holds them as they
+    are at the end; afterwards they are as they were before."""
+    from transformer_engine.pytorch.attention.dot_product_attention import (
+        dot_product_attention as te_dpa,
+    )
+
+    saved = {name: os.environ.pop(name) for name in ATTENTION_ENV if name in os.environ}
+    os.environ.update(values or {})
+    te_dpa._attention_backends["attention_params"] = None
+    final = {}
+    try:
+        yield final
+    finally:
+        final.update({name: os.environ[name] for name in ATTENTION_ENV if name in os.environ})
+        for name in ATTENTION_ENV:
+            os.environ.pop(name, None)
+        os.environ.update(saved)
+        te_dpa._attention_backends["attention_params"] = None
 
 
 def invariant_settings():

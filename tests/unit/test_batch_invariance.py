@@ -182,6 +182,9 @@ def test_on_the_cpu_probe_tokens_come_out_bitwise_the_same_in_any_batch(
     assert all(out == 0 and dx == 0 for out, dx in differences.values()), differences
 
 
+PROBE_ROWS = 5
+
+
 def probe_rows_in_context(experts, before, after, probe, device="cpu"):
     """The experts on rows grouped by expert, each expert's PROBE_ROWS probe rows after `before`
     and ahead of `after` other rows (the others' output gradient zero); the probe rows' output,
@@ -212,9 +215,6 @@ def probe_rows_in_context(experts, before, after, probe, device="cpu"):
     out.backward(torch.cat(grads))
     adapter_grads = {n: q.grad.clone() for n, q in experts.named_parameters() if q.requires_grad}
     return (out[at].detach(), x.grad[at], p.grad[at]), adapter_grads
-
-
-PROBE_ROWS = 5
 
 
 @needs_moe_mode

@@ -7,25 +7,12 @@ whose tokens pile onto few experts), in both expert kernels and both combines.
 It runs in the TE leg on a GPU with FlashAttention 3 (`flash_attn_3`) or 4 (`flash-attn-4`)
 installed, which Megatron 0.20 requires in the mode; elsewhere it skips saying so."""
 
-import os
-
 import pytest
 import torch
 
 from mcore_torch_experts import TorchExpertsTransformerConfig, _compat
-from support.batch_invariance import invariant_settings
+from support.batch_invariance import attention_env, flash_attention_version, invariant_settings
 from support.te import needs_te
-
-
-def flash_attention_version():
-    """4 or 3 where Megatron finds that FlashAttention importable (its attention module's own
-    HAVE_FA4 / HAVE_FA3: FA4 4.0.0b20 or newer with the CuTe DSL, FA3's interface), else None."""
-    from megatron.core.transformer import attention
-
-    if getattr(attention, "HAVE_FA4", False):
-        return 4
-    return 3 if getattr(attention, "HAVE_FA3", False) else None
-
 
 MOE_MODE = _compat.megatron_core_release() >= (0, 20)
 FLASH = flash_attention_version() if MOE_MODE else None
@@ -93,23 +80,15 @@ def probe_logprobs(model, sequences, at, skewed):
 
 @pytest.fixture
 def flash_attention_env():
-    """Megatron pins the attention backend in the mode by setting TE's NVTE_* variables when it
-    builds the model, and TE caches its choice: both undone after the test, so that the test
-    files after it in this process build and choose as they would have."""
+    """The NVTE_* variables Megatron sets when it builds the model in the mode, and TE's cached
+    backend choice, undone after the test, so that the test files after it in this process build
+    and choose as they would have."""
     from transformer_engine.pytorch.attention.dot_product_attention import (
         dot_product_attention as te_dpa,
     )
 
-    names = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN", "NVTE_FLASH_ATTN_V2",
-             "NVTE_FLASH_ATTN_V3", "NVTE_FLASH_ATTN_V4")
-    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
-    try:
+    with attention_env():
         yield te_dpa._attention_backends
-    finally:
-        for name in names:
-            os.environ.pop(name, None)
-        os.environ.update(saved)
-        te_dpa._attention_backends["attention_params"] = None
 
 
 @pytest.mark.parametrize("adapter", ["shared", "per_expert"])
