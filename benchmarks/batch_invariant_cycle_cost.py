@@ -45,8 +45,8 @@ ARMS = {  # arm: (experts backend, mode on, FP32 Triton combine)
     "ours, mode off": ("torch", False, False),
     "ours, mode on, FP32 Triton combine": ("torch", True, True),
     "ours, mode on, Megatron's combine": ("torch", True, False),
-    "TEGroupedMLP, mode off": (None, False, False),
-    "TEGroupedMLP, mode on": (None, True, False),
+    "TEGroupedMLP, mode off": ("transformer_engine", False, False),
+    "TEGroupedMLP, mode on": ("transformer_engine", True, False),
 }
 
 
@@ -79,8 +79,8 @@ class Arm:
             convert_moe_layers_to_fp32_combine(model)
         cm.add_adapters(model, args, "shared")
         cm.fill_adapters(model, args.seed)
-        self.cycle = passes.Cycle("torch" if ARMS[name][0] else "te", model, batches, "te",
-                                  args, device)
+        self.cycle = passes.Cycle("torch" if ARMS[name][0] == "torch" else "te", model, batches,
+                                  "te", args, device)
 
     def __enter__(self):
         from megatron.core.transformer.custom_layers.batch_invariant_kernels import (
@@ -111,13 +111,26 @@ class Arm:
         return (batched.float() - alone.float()).abs().max().item()
 
 
-def main() -> int:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--slice", default="qwen3-30b-a3b:4", help="MODEL:MoE LAYERS")
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds (after one warm-up)")
     passes.add_batch_and_adapter_options(parser, micro_batches=2)
     parser.set_defaults(micro_batch_size=2)
+    return parser
+
+
+def run_line(model_slice, layers: int, args, flash: int) -> str:
+    """The report's line saying what ran."""
+    return (f"{model_slice.label}, {layers} MoE layers; {args.micro_batches} micro-batches "
+            f"of {args.micro_batch_size} x {args.seq} tokens; our shared LoRA rank "
+            f"{args.rank}; full recompute; FlashAttention {flash} in the mode; "
+            f"{args.rounds} measured rounds after one warm-up, arms interleaved")
+
+
+def main() -> int:
+    parser = make_parser()
     args = parser.parse_args()
     key, _, layers = args.slice.partition(":")
     if key not in SLICES or not layers.isdigit() or int(layers) < 1:
@@ -182,10 +195,7 @@ def main() -> int:
                        f"{invariance[name]:.3g}"])
     header = harness.header(device, packages=("triton", "megatron-core", "transformer-engine",
                                               "flash-attn-4"))
-    header.append(f"{model_slice.name}, {layers} MoE layers; {args.micro_batches} micro-batches "
-                  f"of {args.micro_batch_size} x {args.seq} tokens; our shared LoRA rank "
-                  f"{args.rank}; full recompute; FlashAttention {flash} in the mode; "
-                  f"{args.rounds} measured rounds after one warm-up, arms interleaved")
+    header.append(run_line(model_slice, layers, args, flash))
     body = harness.markdown_table(
         ["arm", "logprob pass ms", "update pass ms", "cycle ms", "x ours mode off",
          "max |logprob alone - in its micro-batch|"], rows)

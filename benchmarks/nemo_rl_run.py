@@ -17,6 +17,7 @@ whether the checkpoint holds the trained one.
 
 `torch-invariant` (not among the default arms): ours in Megatron's batch_invariant_mode, set as
 a NeMo-RL user sets it (`attention_backend: flash`, no permute fusion, the alltoall dispatcher,
+`moe_router_dtype: fp32` (the recipe's fp64 has no batch-invariant matmul),
 `model_overrides: {batch_invariant_mode: true, flash_attention_version, attention_dropout: 0}`),
 one logprob micro-batch of all sequences; sequence 0's logprobs alone must be bitwise its
 logprobs among the others. It needs FlashAttention 3 or 4 and DeepGEMM importable (Megatron's
@@ -145,7 +146,7 @@ def worker(arm: str, out: Path, steps: int) -> None:
 
         policy["logprob_batch_size"] = SEQUENCES
         policy["megatron_cfg"].update(attention_backend="flash", moe_permute_fusion=False,
-                                      moe_token_dispatcher_type="alltoall")
+                                      moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32")
         policy["megatron_cfg"]["model_overrides"] = {
             "batch_invariant_mode": True, "attention_dropout": 0.0,
             "flash_attention_version": flash_attention_version()}
@@ -336,6 +337,26 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-6)
 
 
+def invariant_arm_missing() -> str | None:
+    """Why the batch-invariant arm cannot run here (before any worker starts), or None."""
+    from support.batch_invariance import flash_attention_version
+
+    try:
+        from megatron.core.transformer.custom_layers.batch_invariant_kernels import (
+            HAVE_DEEPGEMM_BF16,
+        )
+    except ImportError as exc:
+        return f"needs megatron-core 0.20 or newer (batch_invariant_mode): {exc}"
+    if flash_attention_version() is None:
+        return ("needs FlashAttention 3 or 4 (flash_attn_3 or flash-attn-4; the mode's attention): "
+                "neither is importable")
+    if not HAVE_DEEPGEMM_BF16:
+        return ("needs DeepGEMM's BF16 grouped GEMM importable (Megatron's config asserts it for an "
+                "MoE model in the mode; our experts never call it): install DeepGEMM where the "
+                "worker runs")
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out-dir", type=Path, required=True)
@@ -354,6 +375,10 @@ def main() -> None:
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
         parser.error(f"--arms: unknown arm(s) {unknown}; choose from {list(ARMS)}")
+    if set(arms) & set(INVARIANT_ARMS):
+        missing = invariant_arm_missing()
+        if missing:
+            parser.error(f"--arms {args.arms}: torch-invariant {missing}")
     if not (out / "hf" / "config.json").is_file():
         make_checkpoint(out / "hf")
     results = {arm: run_arm(arm, out, args) for arm in arms}

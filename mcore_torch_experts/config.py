@@ -188,6 +188,10 @@ BATCH_INVARIANT_REQUIREMENTS = (
     ("moe_permute_fusion_into_hybridep", lambda v: not v,
      "the unfused unpermute adds each token's rows in a fixed order; set "
      "moe_permute_fusion_into_hybridep=False."),
+    ("moe_router_dtype", lambda v: v != "fp64",
+     "Megatron's batch-invariant matmul has no FP64 kernel (the router's FP64 gating matmul "
+     "fails inside it with KeyError: torch.float64); set moe_router_dtype='fp32' (NeMo-RL's "
+     "Megatron recipes set 'fp64')."),
     ("moe_pad_expert_input_to_capacity", lambda v: not v,
      "the mode runs dropless routing only; set moe_pad_expert_input_to_capacity=False."),
     ("moe_pad_experts_for_cuda_graph_inference", lambda v: not v,

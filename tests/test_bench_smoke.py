@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mcore_torch_experts import _compat
 from support.torchrun import torchrun
 
 # The benchmarks' smoke runs on 0.19.2, the release their GPU runs use (BENCHMARKS.md); those
@@ -497,6 +498,51 @@ def test_batch_invariant_cycle_cost_refuses_what_it_cannot_run(tmp_path, options
                            "--out-dir", str(tmp_path), *options], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+
+
+@BENCH_SMOKE
+def test_nemo_rl_run_refuses_the_invariant_arm_before_any_worker_starts(tmp_path):
+    """Here (no FlashAttention 3 or 4, no DeepGEMM; or a release before the mode) the arm is
+    refused with what it needs, before the checkpoint is written or a worker starts."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "nemo_rl_run.py"),
+                           "--out-dir", str(tmp_path), "--arms", "torch,torch-invariant"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--arms torch,torch-invariant: torch-invariant needs" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.skipif(_compat.megatron_core_release() < (0, 20),
+                    reason="the benchmark runs megatron-core 0.20's batch_invariant_mode")
+def test_batch_invariant_cycle_cost_builds_each_arms_config_and_names_its_run(monkeypatch, tmp_path):
+    """Each arm's config as the benchmark builds it on the slice it times (the experts each arm
+    names; the mode's settings on the mode's arms), and the report's line naming the run."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(
+        "batch_invariant_cycle_cost", REPO / "benchmarks" / "batch_invariant_cycle_cost.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from megatron.core.transformer.custom_layers.batch_invariant_kernels import HAVE_DEEPGEMM_BF16
+
+    import cycle_models
+    from shapes import SLICES
+
+    args = bench.make_parser().parse_args(["--out-dir", str(tmp_path)])
+    args.adapters, args.ep, args.dispatcher = "ours", 1, "alltoall"
+    args.expert_kernel = "auto"
+    args.permute_fusion = importlib.util.find_spec("transformer_engine") is not None  # TE's fusion
+    model_slice = SLICES["qwen3-30b-a3b"]
+    base = cycle_models.make_config(model_slice, 2, "te", args, torch.device("cpu"))
+    for arm, (backend, mode, fp32_combine) in bench.ARMS.items():
+        if arm == "TEGroupedMLP, mode on" and not HAVE_DEEPGEMM_BF16:
+            continue  # the benchmark's row says why (Megatron asserts DeepGEMM)
+        config = bench.arm_config(base, arm, 4)
+        assert (config.moe_expert_gemm_backend, config.batch_invariant_mode,
+                config.moe_combine_in_fp32) == (backend, mode, fp32_combine), arm
+        if mode:
+            assert (config.flash_attention_version, config.moe_permute_fusion) == (4, False)
+    assert bench.run_line(model_slice, 4, args, 4).startswith(
+        f"{model_slice.label}, 4 MoE layers; 2 micro-batches of 2 x 4096 tokens; ")
 
 
 @BENCH_SMOKE

@@ -108,6 +108,16 @@ def enable_torch_experts(worker, config=None) -> None:
                 "policy.megatron_cfg.model_overrides.batch_invariant_mode=True: batch-invariant "
                 "MoE needs megatron-core >= 0.20 (its fixed-order unpermute and router); this is "
                 f"{'.'.join(map(str, release))}. Upgrade megatron-core or remove the override.")
+        megatron_cfg = config.get("megatron_cfg") or {}
+        router_dtype = megatron_cfg["model_overrides"].get(
+            "moe_router_dtype", megatron_cfg.get("moe_router_dtype"))
+        if router_dtype == "fp64":
+            raise TorchExpertsConfigError(
+                "policy.megatron_cfg.moe_router_dtype='fp64' with "
+                "policy.megatron_cfg.model_overrides.batch_invariant_mode=True: Megatron's "
+                "batch-invariant matmul has no FP64 kernel (the router's gating matmul fails "
+                "inside it with KeyError: torch.float64). Set policy.megatron_cfg.moe_router_dtype: "
+                "fp32 (NeMo-RL's Megatron recipes set fp64).")
         from megatron.core.transformer.custom_layers.batch_invariant_kernels import (
             enable_batch_invariant_mode,
         )

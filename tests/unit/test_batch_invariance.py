@@ -64,7 +64,7 @@ def test_the_mode_builds_our_experts_without_deepgemm(combine):
     ("params_dtype", torch.float32), ("attention_backend", "auto"),
     ("flash_attention_version", 2), ("context_parallel_size", 2), ("attention_dropout", 0.1),
     ("moe_token_dispatcher_type", "allgather"), ("moe_permute_fusion", True),
-    ("moe_pad_expert_input_to_capacity", True),
+    ("moe_pad_expert_input_to_capacity", True), ("moe_router_dtype", "fp64"),
 ], ids=lambda v: str(v))
 def test_each_requirement_of_the_mode_is_refused_naming_field_value_and_fix(field, value):
     if field == "attention_backend":

@@ -219,7 +219,8 @@ def load_nemo_rl_extension():
 
 def batch_invariant_kernels_turned_on(extension) -> dict:
     """{case: the backends enable_torch_experts turned Megatron's batch-invariant kernels on with,
-    or its refusal} for a policy config with and without model_overrides.batch_invariant_mode.
+    or its refusal} for a policy config with and without model_overrides.batch_invariant_mode
+    (NeMo-RL's recipes' FP64 router in the mode, set in megatron_cfg or in its overrides).
     Megatron's enable_batch_invariant_mode patches Transformer Engine's kernels and runs on CUDA
     only: on this CPU host the call is recorded in its place, not run."""
     import types
@@ -231,10 +232,15 @@ def batch_invariant_kernels_turned_on(extension) -> dict:
         lambda backend="deepgemm": calls.append(backend))
     turned_on = {}
     try:
-        for case, overrides in (("asked", {"batch_invariant_mode": True}), ("not asked", {})):
+        for case, overrides, router_dtype in (
+                ("asked", {"batch_invariant_mode": True}, "fp32"), ("not asked", {}, "fp64"),
+                ("asked, FP64 router", {"batch_invariant_mode": True}, "fp64"),
+                ("asked, FP64 router override", {"batch_invariant_mode": True,
+                                                 "moe_router_dtype": "fp64"}, "fp32")):
             try:
                 extension.enable_torch_experts(types.SimpleNamespace(), {
-                    "pretrained_checkpoint": None, "megatron_cfg": {"model_overrides": overrides}})
+                    "pretrained_checkpoint": None, "megatron_cfg": {
+                        "moe_router_dtype": router_dtype, "model_overrides": overrides}})
                 turned_on[case] = list(calls)
             except Exception as error:  # noqa: BLE001 - recorded for the test
                 turned_on[case] = f"{type(error).__name__}: {error}"

@@ -364,6 +364,14 @@ def test_nemo_rl_extension_turns_megatrons_batch_invariant_kernels_on_where_the_
     assert turned_on["not asked"] == []
     if _compat.megatron_core_release() >= (0, 20):
         assert turned_on["asked"] == ["triton"]
+        # NeMo-RL's recipes' FP64 router: refused before the kernels are turned on.
+        for case in ("asked, FP64 router", "asked, FP64 router override"):
+            assert turned_on[case] == (
+                "TorchExpertsConfigError: policy.megatron_cfg.moe_router_dtype='fp64' with "
+                "policy.megatron_cfg.model_overrides.batch_invariant_mode=True: Megatron's "
+                "batch-invariant matmul has no FP64 kernel (the router's gating matmul fails "
+                "inside it with KeyError: torch.float64). Set policy.megatron_cfg.moe_router_dtype: "
+                "fp32 (NeMo-RL's Megatron recipes set fp64)."), turned_on[case]
     else:
         assert re.match(r"TorchExpertsConfigError: policy\.megatron_cfg\.model_overrides\."
                         r"batch_invariant_mode=True: batch-invariant MoE needs megatron-core "
