@@ -26,7 +26,9 @@ python3 -W ignore -c "import torch, transformer_engine as te, megatron.core as m
   2>&1 | tee "$out/te_leg.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu_te: Transformer Engine does not import"; exit 1; }
 # One pytest worker per test file (pytest-xdist): the files run in parallel on the 16 cores. One
-# line per test (-v), so a run cut short by a time limit still names what failed before it.
+# line per test (-v), and each failure's traceback as it happens (tests/conftest.py), so a run cut
+# short by a time limit still names what failed before it, and why.
+export MCORE_TORCH_EXPERTS_FAILURES_AT_ONCE=1
 python3 -m pytest -v -p no:cacheprovider -rs -n 8 --dist loadfile --junitxml="$out/junit.xml" \
   "${@:-tests}" 2>&1 | tee -a "$out/te_leg.log"
 suite=${PIPESTATUS[0]}

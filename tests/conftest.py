@@ -35,6 +35,15 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report):
+    """MCORE_TORCH_EXPERTS_FAILURES_AT_ONCE=1 (scripts/gpu_te.sh): each failure's traceback printed
+    when it happens (under xdist too: the controller gets every worker's report), so a run cut
+    by a time limit says why its failures failed, not only which."""
+    if report.failed and os.environ.get("MCORE_TORCH_EXPERTS_FAILURES_AT_ONCE") == "1":
+        print(f"\n[failed at once] {report.nodeid} ({report.when}):\n"
+              f"{report.longreprtext[-4000:]}", flush=True)
+
+
 def _apply(monkeypatch, patches):
     for patch in patches:
         monkeypatch.setattr(patch.owner, patch.name, patch.value, raising=False)

@@ -65,3 +65,24 @@ def test_client_routes_refuse_an_unknown_route_and_another_stack_before_running(
     assert "gpu_client_routes: no route nonsense (megatron-lm, bridge-finetune, nemo-rl)" \
         in run.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["client_routes.md"]   # nothing ran
+
+
+@pytest.mark.parametrize("asked", [True, False])
+def test_a_failure_is_printed_when_it_happens_where_asked(tmp_path, asked):
+    """scripts/gpu_te.sh sets MCORE_TORCH_EXPERTS_FAILURES_AT_ONCE=1: a run cut by a time limit
+    then holds each failure's traceback, printed before pytest's summary (unset: only there)."""
+    assert "MCORE_TORCH_EXPERTS_FAILURES_AT_ONCE=1" in (REPO / "scripts" / "gpu_te.sh").read_text()
+    (tmp_path / "test_fail.py").write_text('def test_x():\n    assert 1 == 2, "on purpose"\n')
+    env = {**os.environ, "MCORE_TORCH_EXPERTS_FAILURES_AT_ONCE": "1" if asked else "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests"), str(REPO),
+                                                       os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-p",
+                           "no:cacheprovider", "-q", "test_fail.py"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    if asked:
+        at_once = out.index("[failed at once] test_fail.py::test_x (call):")
+        assert at_once < out.index('AssertionError: on purpose') < out.index("short test summary")
+    else:
+        assert "[failed at once]" not in out
