@@ -16,10 +16,8 @@ tensor differs from the trained one, the report says whether it holds its initia
 whether the checkpoint holds the trained one.
 
 `torch-invariant` (not among the default arms): ours in Megatron's batch_invariant_mode, set as
-a NeMo-RL user sets it (`attention_backend: flash`, no permute fusion, the alltoall dispatcher,
-`moe_router_dtype: fp32` (the recipe's fp64 has no batch-invariant matmul),
-`model_overrides: {batch_invariant_mode: true, flash_attention_version, attention_dropout: 0}`),
-one logprob micro-batch of all sequences; sequence 0's logprobs alone must be bitwise its
+docs/enable.md tells a NeMo-RL user (its `nemo-rl-batch-invariant` block, with the
+FlashAttention found here), one logprob micro-batch of all sequences; sequence 0's logprobs alone must be bitwise its
 logprobs among the others. It needs FlashAttention 3 or 4 and DeepGEMM importable (Megatron's
 config asserts it for an MoE model in the mode; our experts never call it).
 
@@ -142,14 +140,16 @@ def worker(arm: str, out: Path, steps: int) -> None:
     policy["megatron_cfg"]["optimizer"].update(lr=1e-4, min_lr=1e-4)
     policy["megatron_cfg"]["scheduler"].update(lr_warmup_iters=0, lr_warmup_init=1e-4)
     if arm in INVARIANT_ARMS:
+        import yaml
+
         from support.batch_invariance import flash_attention_version
+        from support.doc_snippets import snippet
 
         policy["logprob_batch_size"] = SEQUENCES
-        policy["megatron_cfg"].update(attention_backend="flash", moe_permute_fusion=False,
-                                      moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32")
-        policy["megatron_cfg"]["model_overrides"] = {
-            "batch_invariant_mode": True, "attention_dropout": 0.0,
-            "flash_attention_version": flash_attention_version()}
+        policy["megatron_cfg"].update(
+            yaml.safe_load(snippet("nemo-rl-batch-invariant"))["policy"]["megatron_cfg"])
+        policy["megatron_cfg"]["model_overrides"]["flash_attention_version"] = \
+            flash_attention_version()
     recipe = load_config(str(nemo_rl_configs() / shared.NEMO_RL_CONFIG))
     loss_fn = ClippedPGLossFn(ClippedPGLossConfig(**recipe["loss_fn"]))
     if kind == "torch":

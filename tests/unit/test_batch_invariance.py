@@ -469,3 +469,22 @@ def test_in_the_mode_our_experts_against_megatrons_te_grouped_mlp(megatron_world
           + " ".join(f"{k}={v:.3g}" for k, v in figures.items()))
     assert figures["ours_vs_fp64"] < 1e-2 and figures["megatron_vs_fp64"] < 1e-2
     assert rel_err(out_ours, out_megatron) < 1e-2
+
+
+def test_the_documented_nemo_rl_block_meets_each_requirement_it_names():
+    """docs/enable.md's NeMo-RL block for the mode: every field it sets meets the config's
+    requirement, and it sets each one NeMo-RL's Megatron recipe leaves unmet (attention backend,
+    FlashAttention version, permute fusion, router dtype, dropout) beside the mode itself."""
+    import yaml
+
+    from support.doc_snippets import snippet
+
+    megatron_cfg = yaml.safe_load(snippet("nemo-rl-batch-invariant"))["policy"]["megatron_cfg"]
+    overrides = megatron_cfg.pop("model_overrides")
+    fields = {**megatron_cfg, **overrides}
+    assert fields.pop("batch_invariant_mode") is True
+    requirements = {field: meets for field, meets, _ in BATCH_INVARIANT_REQUIREMENTS}
+    assert {"attention_backend", "flash_attention_version", "moe_permute_fusion",
+            "moe_token_dispatcher_type", "moe_router_dtype", "attention_dropout"} <= set(fields)
+    assert set(fields) <= set(requirements), set(fields) - set(requirements)
+    assert all(requirements[field](value) for field, value in fields.items()), fields

@@ -219,28 +219,32 @@ def load_nemo_rl_extension():
 
 def batch_invariant_kernels_turned_on(extension) -> dict:
     """{case: the backends enable_torch_experts turned Megatron's batch-invariant kernels on with,
-    or its refusal} for a policy config with and without model_overrides.batch_invariant_mode
-    (NeMo-RL's recipes' FP64 router in the mode, set in megatron_cfg or in its overrides).
+    or its refusal} for docs/enable.md's policy block for the mode, one without the mode, and the
+    block with NeMo-RL's recipes' FP64 router (in megatron_cfg or in its overrides).
     Megatron's enable_batch_invariant_mode patches Transformer Engine's kernels and runs on CUDA
     only: on this CPU host the call is recorded in its place, not run."""
     import types
 
     from megatron.core.transformer.custom_layers import batch_invariant_kernels
 
+    import yaml
+
+    documented = yaml.safe_load(snippet("nemo-rl-batch-invariant"))["policy"]["megatron_cfg"]
+    overrides = documented["model_overrides"]
     calls, original = [], batch_invariant_kernels.enable_batch_invariant_mode
     batch_invariant_kernels.enable_batch_invariant_mode = (
         lambda backend="deepgemm": calls.append(backend))
     turned_on = {}
     try:
-        for case, overrides, router_dtype in (
-                ("asked", {"batch_invariant_mode": True}, "fp32"), ("not asked", {}, "fp64"),
-                ("asked, FP64 router", {"batch_invariant_mode": True}, "fp64"),
-                ("asked, FP64 router override", {"batch_invariant_mode": True,
-                                                 "moe_router_dtype": "fp64"}, "fp32")):
+        for case, megatron_cfg in (
+                ("asked", documented),  # docs/enable.md's block for the mode
+                ("not asked", {"moe_router_dtype": "fp64", "model_overrides": {}}),
+                ("asked, FP64 router", {**documented, "moe_router_dtype": "fp64"}),
+                ("asked, FP64 router override", {**documented, "model_overrides": {
+                    **overrides, "moe_router_dtype": "fp64"}})):
             try:
                 extension.enable_torch_experts(types.SimpleNamespace(), {
-                    "pretrained_checkpoint": None, "megatron_cfg": {
-                        "moe_router_dtype": router_dtype, "model_overrides": overrides}})
+                    "pretrained_checkpoint": None, "megatron_cfg": megatron_cfg})
                 turned_on[case] = list(calls)
             except Exception as error:  # noqa: BLE001 - recorded for the test
                 turned_on[case] = f"{type(error).__name__}: {error}"
