@@ -225,9 +225,8 @@ def batch_invariant_kernels_turned_on(extension) -> dict:
     only: on this CPU host the call is recorded in its place, not run."""
     import types
 
-    from megatron.core.transformer.custom_layers import batch_invariant_kernels
-
     import yaml
+    from megatron.core.transformer.custom_layers import batch_invariant_kernels
 
     documented = yaml.safe_load(snippet("nemo-rl-batch-invariant"))["policy"]["megatron_cfg"]
     overrides = documented["model_overrides"]
