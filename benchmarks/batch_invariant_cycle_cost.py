@@ -39,7 +39,11 @@ import cycle_models as cm
 import cycle_passes as passes
 import harness
 from shapes import SLICES
-from support.batch_invariance import attention_env, flash_attention_version
+from support.batch_invariance import (
+    attention_env,
+    flash_attention_version,
+    whole_model_mode_missing,
+)
 
 ARMS = {  # arm: (experts backend, mode on, FP32 Triton combine)
     "ours, mode off": ("torch", False, False),
@@ -139,16 +143,12 @@ def main() -> int:
         parser.error("--rounds and --micro-batches must be at least 1, --micro-batch-size 2")
     if not torch.cuda.is_available() or not cm.te_importable():
         parser.error("needs a CUDA GPU and Transformer Engine (the mode's kernels and TE specs)")
-    try:
-        from megatron.core.transformer.custom_layers.batch_invariant_kernels import (
-            HAVE_DEEPGEMM_BF16,
-        )
-    except ImportError as exc:
-        parser.error(f"needs megatron-core 0.20 or newer (its batch-invariant kernels): {exc}")
+    missing = whole_model_mode_missing()
+    if missing:
+        parser.error(missing)
+    from megatron.core.transformer.custom_layers.batch_invariant_kernels import HAVE_DEEPGEMM_BF16
+
     flash = flash_attention_version()
-    if flash is None:
-        parser.error("the mode runs FlashAttention 3 or 4 (flash_attn_3 or flash-attn-4): neither "
-                     "is importable")
     args.adapters, args.ep, args.dispatcher = "ours", 1, "alltoall"
     args.expert_kernel, args.permute_fusion = "auto", True
     device = torch.device("cuda", torch.cuda.current_device())

@@ -17,8 +17,8 @@ whether the checkpoint holds the trained one.
 
 `torch-invariant` (not among the default arms): ours in Megatron's batch_invariant_mode, set as
 docs/enable.md tells a NeMo-RL user (its `nemo-rl-batch-invariant` block, with the
-FlashAttention found here), one logprob micro-batch of all sequences; sequence 0's logprobs alone must be bitwise its
-logprobs among the others. It needs FlashAttention 3 or 4 and DeepGEMM importable (Megatron's
+FlashAttention found here), one logprob micro-batch of all sequences; sequence 0's logprobs
+alone must be bitwise its logprobs among the others. It needs FlashAttention 3 or 4 and DeepGEMM importable (Megatron's
 config asserts it for an MoE model in the mode; our experts never call it).
 
 Checks: ours builds TorchGroupedMLP experts; the first logprobs (before any step) match the
@@ -339,17 +339,13 @@ def rel(a: float, b: float) -> float:
 
 def invariant_arm_missing() -> str | None:
     """Why the batch-invariant arm cannot run here (before any worker starts), or None."""
-    from support.batch_invariance import flash_attention_version
+    from support.batch_invariance import whole_model_mode_missing
 
-    try:
-        from megatron.core.transformer.custom_layers.batch_invariant_kernels import (
-            HAVE_DEEPGEMM_BF16,
-        )
-    except ImportError as exc:
-        return f"needs megatron-core 0.20 or newer (batch_invariant_mode): {exc}"
-    if flash_attention_version() is None:
-        return ("needs FlashAttention 3 or 4 (flash_attn_3 or flash-attn-4; the mode's attention): "
-                "neither is importable")
+    missing = whole_model_mode_missing()
+    if missing:
+        return missing
+    from megatron.core.transformer.custom_layers.batch_invariant_kernels import HAVE_DEEPGEMM_BF16
+
     if not HAVE_DEEPGEMM_BF16:
         return ("needs DeepGEMM's BF16 grouped GEMM importable (Megatron's config asserts it for an "
                 "MoE model in the mode; our experts never call it): install DeepGEMM where the "

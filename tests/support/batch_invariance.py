@@ -54,6 +54,19 @@ def flash_attention_version():
     return 3 if getattr(attention, "HAVE_FA3", False) else None
 
 
+def whole_model_mode_missing():
+    """Why a whole model cannot run in megatron-core 0.20's batch_invariant_mode here (its
+    batch-invariant kernels; FlashAttention 3 or 4), or None."""
+    try:
+        import megatron.core.transformer.custom_layers.batch_invariant_kernels  # noqa: F401
+    except ImportError as exc:
+        return f"needs megatron-core 0.20 or newer (its batch-invariant kernels): {exc}"
+    if flash_attention_version() is None:
+        return ("needs FlashAttention 3 or 4 (flash_attn_3 or flash-attn-4), which the mode runs: "
+                "neither is importable")
+    return None
+
+
 @contextlib.contextmanager
 def attention_env(values=None):
     """TE's NVTE_* attention variables set to `values` (None: none set) for the duration, and TE's
