@@ -20,7 +20,10 @@ Megatron sets when it builds a model (NVTE_FLASH_ATTN, NVTE_FUSED_ATTN, ...) are
 set around its passes, and TE's cached attention-backend choice is dropped at each switch.
 
     python3 benchmarks/batch_invariant_cycle_cost.py --out-dir OUT [--slice qwen3-30b-a3b:4]
-        [--rounds 3] [--seq 4096 --micro-batch-size 2 --micro-batches 2]
+        [--rounds 3] [--seq 4096 --micro-batch-size 2 --micro-batches 2] [--profile]
+
+With --profile, after the rounds, one update pass of each of our arms runs under torch.profiler and
+the report lists its 12 costliest GPU kernels (where the mode's cost goes).
 
 Needs a CUDA GPU, megatron-core 0.20, Transformer Engine and FlashAttention 3 or 4.
 """
@@ -120,9 +123,22 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--slice", default="qwen3-30b-a3b:4", help="MODEL:MoE LAYERS")
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds (after one warm-up)")
+    parser.add_argument("--profile", action="store_true",
+                        help="list the costliest GPU kernels of one update pass per arm of ours")
     passes.add_batch_and_adapter_options(parser, micro_batches=2)
     parser.set_defaults(micro_batch_size=2)
     return parser
+
+
+def top_kernels(arm: Arm, rows: int = 12) -> str:
+    """The arm's costliest GPU kernels over one update pass, as torch.profiler's table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with arm as cycle:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            cycle.update_pass()
+            torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
 
 
 def run_line(model_slice, layers: int, args, flash: int) -> str:
@@ -179,6 +195,8 @@ def main() -> int:
                 times[(name, "logprob")].append(logprob_ms)
                 times[(name, "update")].append(update_ms)
         print(f"round {round_}/{args.rounds} done", flush=True)
+    profiles = {name: top_kernels(arm) for name, arm in arms.items()
+                if args.profile and ARMS[name][0] == "torch"}
     reference = "ours, mode off"
     rows = []
     for name in ARMS:
@@ -199,6 +217,8 @@ def main() -> int:
     body = harness.markdown_table(
         ["arm", "logprob pass ms", "update pass ms", "cycle ms", "x ours mode off",
          "max |logprob alone - in its micro-batch|"], rows)
+    for name, table in profiles.items():
+        body += ["", f"## One update pass, {name}: costliest GPU kernels", "", "```", table, "```"]
     print(harness.write_report(args.out_dir, "batch_invariant_cycle_cost",
                                "What the batch-invariant mode costs an RL cycle", header, body,
                                {"times": {f"{a} | {p}": v for (a, p), v in times.items()},
