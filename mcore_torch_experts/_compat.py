@@ -232,3 +232,24 @@ def legacy_grouped_mlp():
     from megatron.core.transformer.moe import grouped_gemm_util
 
     return experts.GroupedMLP, grouped_gemm_util.grouped_gemm_is_available
+
+
+# --- Batch-invariant kernels ---------------------------------------------------------------------
+# 0.19+: megatron.core.transformer.custom_layers.batch_invariant_kernels, a global switch that
+# replaces aten::mm/addmm and TE's GEMMs (0.20 adds MoE to the mode); before 0.19 it is absent.
+
+@functools.cache
+def _batch_invariant_switch():
+    try:
+        from megatron.core.transformer.custom_layers.batch_invariant_kernels import (
+            is_batch_invariant_mode_enabled,
+        )
+    except ImportError:
+        return None
+    return is_batch_invariant_mode_enabled
+
+
+def batch_invariant_kernels_on() -> bool:
+    """Whether Megatron's global batch-invariant kernels are on (False before 0.19)."""
+    switch = _batch_invariant_switch()
+    return switch is not None and switch()

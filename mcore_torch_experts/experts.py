@@ -401,7 +401,7 @@ class TorchGroupedMLP(MegatronModule):
                                           None if routed is None else routed.num_rows)
         w2 = fc2.packed(refuse_trainable=torch.is_grad_enabled())
         return fused_experts(self.config, hidden, permuted_probs, w1, w2, offs, *terms,
-                             routed=routed)
+                             routed=routed, chunked_grad=_compat.batch_invariant_kernels_on())
 
     def _fused_gemm_views(self, hidden: torch.Tensor) -> Optional[Tuple[FusedAdapter, ...]]:
         """fc1 and fc2 as the fused kernels see them when this call takes the fused GEMM path

@@ -36,7 +36,6 @@ import re
 from typing import Dict, List, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.tensor_parallel.layers import (
@@ -54,8 +53,10 @@ from megatron.core.transformer.utils import (
 )
 from megatron.core.utils import get_pg_rank, get_pg_size
 
+from ._compat import batch_invariant_kernels_on
 from .kernels import grouped_gemm
 from .kernels.choice import ADAPTER_READERS, FusedAdapter, hooked
+from .kernels.factor_linear import factor_linear
 from .kernels.grouped_gemm import Splits, find_grouped_mm, group_offsets
 
 EXPERT_ADAPTERS = ("shared", "per_expert")
@@ -88,6 +89,8 @@ class LoRAAdapter(torch.nn.Module):
     """One low-rank pair for every row: x [..., in] -> [..., out].
 
     Extra arguments (an expert linear's tokens_per_expert) are accepted and ignored.
+    While Megatron's batch-invariant kernels are on, the factors' weight gradients are summed in
+    fixed chunks of rows (kernels/factor_linear.py), not on the mode's one-program-per-tile mm.
     `tp_mode` "column"/"row" maps the rank-r activation across `tp_group` (see the module doc).
     """
 
@@ -101,12 +104,13 @@ class LoRAAdapter(torch.nn.Module):
         self.tp_mode, self.tp_group = tp_mode, tp_group
 
     def forward(self, x: torch.Tensor, *args) -> torch.Tensor:
-        h = F.linear(self.dropout(x), self.linear_in.weight.to(x.dtype))
+        chunked = batch_invariant_kernels_on()  # the weight gradients in fixed chunks of rows
+        h = factor_linear(self.dropout(x), self.linear_in.weight.to(x.dtype), chunked)
         if self.tp_mode == "column":
             h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
         elif self.tp_mode == "row":
             h = reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
-        return F.linear(h, self.linear_out.weight.to(x.dtype)) * self.scale
+        return factor_linear(h, self.linear_out.weight.to(x.dtype), chunked) * self.scale
 
 
 class PerExpertLoRAAdapter(torch.nn.Module):

@@ -23,6 +23,7 @@ import torch
 from ..enums import ProfileRange
 from . import grouped_gemm
 from .choice import KERNEL_ACTIVATIONS
+from .factor_linear import factor_linear, factor_product_grad
 from .fused_experts_triton import fc1_activation, fc2_dgrad_activation
 
 
@@ -80,11 +81,12 @@ def _rows_times(x, w, offs, transpose):
     return grouped_gemm.grouped_mm(x.contiguous(), w.transpose(1, 2) if transpose else w, offs=offs)
 
 
-def _factor_grad(left, right, offs, num_experts: int, per_expert: bool):
-    """left [T, p], right [T, q] -> left.T @ right [p, q], or per expert [E, p, q] over the
-    experts' rows (zero for an expert without rows)."""
+def _factor_grad(left, right, offs, num_experts: int, per_expert: bool, chunked: bool):
+    """left [T, p], right [T, q] -> left.T @ right [p, q] (in factor_grad's chunks where
+    `chunked`), or per expert [E, p, q] over the experts' rows (zero for an expert without
+    rows)."""
     if not per_expert:
-        return left.t() @ right
+        return factor_product_grad(left, right, chunked)
     if left.shape[0] == 0:
         return left.new_zeros(num_experts, left.shape[1], right.shape[1])
     return grouped_gemm.grouped_mm(left.t(), right.contiguous(), offs=offs)
@@ -93,9 +95,10 @@ def _factor_grad(left, right, offs, num_experts: int, per_expert: bool):
 class KernelArgs(NamedTuple):
     """The fused Functions' non-tensor arguments, as one tuple: the activation
     (kernels.choice.KERNEL_ACTIVATIONS), whether it is gated, the gated linear unit's offset and
-    clamp, fc2's adapter scale (alpha / r; 1.0 without an adapter), and the RoutedTokens whose
-    tokens fc1 reads (None: its input is the rows). Every grouped GEMM goes through
-    kernels.grouped_gemm.grouped_mm."""
+    clamp, fc2's adapter scale (alpha / r; 1.0 without an adapter), the RoutedTokens whose
+    tokens fc1 reads (None: its input is the rows), and whether shared factors take their weight
+    gradients in factor_grad's fixed chunks (Megatron's batch-invariant kernels are on:
+    kernels/factor_linear.py). Every grouped GEMM goes through kernels.grouped_gemm.grouped_mm."""
 
     act: str
     glu: bool
@@ -103,6 +106,7 @@ class KernelArgs(NamedTuple):
     clamp: float | None
     scale: float = 1.0
     routed: object = None
+    chunked_grad: bool = False
 
     @property
     def activation(self) -> tuple:
@@ -110,9 +114,10 @@ class KernelArgs(NamedTuple):
         return self.act, self.glu, self.offset, self.clamp
 
 
-def lora_down(x, term: LoRATerm, offs, routed=None):
+def lora_down(x, term: LoRATerm, offs, routed=None, chunked=False):
     """scale * x @ A.T [T, r] (per expert: A[e] for expert e's rows), through autograd (the
-    adapter's A and x get their gradients from it). With `routed` (x its tokens): the rows'
+    adapter's A and x get their gradients from it; a shared A's in factor_grad's chunks where
+    `chunked`). With `routed` (x its tokens): the rows'
     [N, r], shared factors applied to the tokens before the gather (A's gradient reads the
     tokens: a copy of them when they are a reused buffer), per-expert ones after (the gathered
     rows are a copy already)."""
@@ -121,13 +126,13 @@ def lora_down(x, term: LoRATerm, offs, routed=None):
             return lora_down(routed.rows(), term, offs)
         if term.a.requires_grad and torch.is_grad_enabled():
             x = routed.tokens_to_save()
-        return routed.rows(torch.nn.functional.linear(x, term.a) * term.scale)
+        return routed.rows(factor_linear(x, term.a, chunked) * term.scale)
     if term.per_expert:
         if x.shape[0] == 0:
             return (x @ term.a[0].t()) * term.scale  # [0, r], still connected to A
         return grouped_gemm.grouped_mm(x.contiguous(), term.a.transpose(1, 2),
                                        offs=offs) * term.scale
-    return torch.nn.functional.linear(x, term.a) * term.scale
+    return factor_linear(x, term.a, chunked) * term.scale
 
 
 class Fc1Activation(torch.autograd.Function):
@@ -150,6 +155,7 @@ class Fc1Activation(torch.autograd.Function):
                               lb if lb is not None and wants_dxa else None,
                               None if routed is None else routed.token_ids)
         ctx.per_expert = lb is not None and lb.dim() == 3
+        ctx.chunked = args.chunked_grad
         ctx.sum_rows = None if routed is None else routed.row_sum()
         inter, h = fc1_activation(x.contiguous(), w1, offs, probs.contiguous(), *args.activation,
                                   save_h=True, xa=xa, lb=lb,
@@ -177,7 +183,7 @@ class Fc1Activation(torch.autograd.Function):
             if lb is not None:  # saved only when xa needs its gradient
                 dxa = _rows_times(grad_h, lb, offs, transpose=False)
             if xa is not None:  # saved only when lb needs its gradient
-                dlb = _factor_grad(grad_h, xa, offs, w1.shape[0], ctx.per_expert)
+                dlb = _factor_grad(grad_h, xa, offs, w1.shape[0], ctx.per_expert, ctx.chunked)
         return dx, None, None, None, dxa, dlb, None
 
 
@@ -238,22 +244,24 @@ class Fc2AfterActivation(torch.autograd.Function):
         per_expert = la is not None and la.dim() == 3
         with profile_range(ProfileRange.EXPERT_ADAPTERS):
             if inter is not None:
-                dla = _factor_grad(gb, inter, offs, w2.shape[0], per_expert)
+                dla = _factor_grad(gb, inter, offs, w2.shape[0], per_expert, args.chunked_grad)
             if xr is not None:
-                dlb = _factor_grad(grad_out, xr, offs, w2.shape[0], per_expert)
+                dlb = _factor_grad(grad_out, xr, offs, w2.shape[0], per_expert, args.chunked_grad)
         return None, dh, dprobs, None, None, dla, dlb, None
 
 
-def fused_experts(config, x, probs, w1, w2, offs, fc1_lora=None, fc2_lora=None, routed=None):
+def fused_experts(config, x, probs, w1, w2, offs, fc1_lora=None, fc2_lora=None, routed=None,
+                  chunked_grad=False):
     """TorchGroupedMLP's forward through the fused kernels: x [T, H], probs [T] -> [T, H].
 
     fc1_lora / fc2_lora: the LoRATerm of an adapter on linear_fc1 / linear_fc2, or None.
-    routed: a RoutedTokens whose tokens are x; then probs and the output have its N rows."""
+    routed: a RoutedTokens whose tokens are x; then probs and the output have its N rows.
+    chunked_grad: shared factors' weight gradients in factor_grad's fixed chunks."""
     clamp = config.activation_func_clamp_value if config.gated_linear_unit else None
     args = KernelArgs(KERNEL_ACTIVATIONS[config.activation_func],
                       bool(config.gated_linear_unit), float(config.glu_linear_offset),
                       None if clamp is None else float(clamp),
-                      1.0 if fc2_lora is None else fc2_lora.scale, routed)
+                      1.0 if fc2_lora is None else fc2_lora.scale, routed, chunked_grad)
     adapter_tensors = [t for term in (fc1_lora, fc2_lora) if term is not None
                        for t in (term.a, term.b)]
     trains = any(t.requires_grad for t in (x, probs, *adapter_tensors))
@@ -268,7 +276,7 @@ def fused_experts(config, x, probs, w1, w2, offs, fc1_lora=None, fc2_lora=None, 
                                           token_ids=None if routed is None else routed.token_ids)
             return fc2_forward(inter, w2, offs, fc2_lora)[0]
     with profile_range(ProfileRange.EXPERT_ADAPTERS):
-        xa = None if fc1_lora is None else lora_down(x, fc1_lora, offs, routed)
+        xa = None if fc1_lora is None else lora_down(x, fc1_lora, offs, routed, chunked_grad)
     with profile_range(ProfileRange.EXPERT_GEMMS):
         inter, h = Fc1Activation.apply(x, probs, w1, offs, xa,
                                        None if fc1_lora is None else fc1_lora.b, args)

@@ -1,0 +1,83 @@
+"""A shared LoRA factor's weight gradient in fixed chunks of rows (kernels/factor_grad_triton.py)
+against FP64, and its sums' order fixed by the rows' positions alone: rows appended after the
+others, or zero rows anywhere after them, change no bit. The kernel runs on the CPU under the
+Triton interpreter (the `triton_interpreter` marker); `chunked_sums` is the CPU's torch path."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.once_per_venv
+
+SHAPES = [(16, 96), (80, 16), (3, 5)]   # [p, q]: rank by width, width by rank, odd sizes
+
+
+def fp64(left, right):
+    return left.double().t() @ right.double()
+
+
+def rows_for(chunk):
+    return (0, 1, 63, 100, chunk + 37, 2 * chunk)
+
+
+@pytest.mark.triton_interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_kernel_matches_fp64_and_the_cpu_path_bitwise(dtype):
+    pytest.importorskip("triton", reason="triton is not installed: the kernel is untested")
+    from mcore_torch_experts.kernels import factor_grad_triton as fg
+
+    torch.manual_seed(0)
+    for p, q in SHAPES:
+        for rows in rows_for(fg.CHUNK_ROWS):
+            left, right = torch.randn(rows, p).to(dtype), torch.randn(rows, q).to(dtype)
+            got = fg.factor_grad(left, right)
+            assert got.shape == (p, q) and got.dtype == torch.float32
+            want = fp64(left, right)
+            # FP32 sums of exact products: error of order rows x 2^-24 of the largest sum
+            assert (got.double() - want).abs().max() <= 1e-5 * max(1.0, want.abs().max()), (p, q, rows)
+            assert torch.equal(fg.factor_grad(left, right), got)   # run to run
+
+
+@pytest.mark.triton_interpreter
+def test_rows_after_the_others_change_no_bit_of_their_sums():
+    """The probe rows first, then zero rows (a batch whose other rows' gradient is zero) or the
+    same rows among more chunks: bitwise; a transposed (strided) operand gives the same bits."""
+    pytest.importorskip("triton", reason="triton is not installed: the kernel is untested")
+    from mcore_torch_experts.kernels import factor_grad_triton as fg
+
+    torch.manual_seed(1)
+    left, right = torch.randn(300, 16).bfloat16(), torch.randn(300, 48).bfloat16()
+    alone = fg.factor_grad(left, right)
+    for extra in (1, 100, fg.CHUNK_ROWS, 2 * fg.CHUNK_ROWS + 5):
+        zeros = torch.zeros(extra, 16).bfloat16()
+        others = torch.randn(extra, 48).bfloat16()
+        batched = fg.factor_grad(torch.cat([left, zeros]), torch.cat([right, others]))
+        assert torch.equal(batched, alone), extra
+    strided = fg.factor_grad(left.t().contiguous().t(), right)
+    assert torch.equal(strided, alone)
+
+
+def test_the_cpu_path_sums_the_same_chunks_in_fp32():
+    from mcore_torch_experts.kernels.factor_grad_triton import CHUNK_ROWS, chunked_sums
+
+    torch.manual_seed(2)
+    left, right = torch.randn(CHUNK_ROWS + 9, 16).bfloat16(), torch.randn(CHUNK_ROWS + 9, 40).bfloat16()
+    got = chunked_sums(left, right)
+    want = (left[:CHUNK_ROWS].t().float() @ right[:CHUNK_ROWS].float()
+            + left[CHUNK_ROWS:].t().float() @ right[CHUNK_ROWS:].float())
+    assert torch.equal(got, want)
+    assert (got.double() - fp64(left, right)).abs().max() <= 1e-4
+    assert torch.equal(chunked_sums(left[:0], right[:0]), torch.zeros(16, 40))
+
+
+@pytest.mark.parametrize("left, right, error, words", [
+    (torch.zeros(4, 3), torch.zeros(5, 2), ValueError, "same T"),
+    (torch.zeros(4), torch.zeros(4, 2), ValueError, r"\[T, p\]"),
+    (torch.zeros(4, 3), torch.zeros(4, 2).bfloat16(), TypeError, "torch.float32"),
+    (torch.zeros(4, 3).half(), torch.zeros(4, 2).half(), TypeError, "torch.bfloat16"),
+])
+def test_bad_operands_are_refused_naming_what_to_give(left, right, error, words):
+    pytest.importorskip("triton", reason="triton is not installed")
+    from mcore_torch_experts.kernels.factor_grad_triton import factor_grad
+
+    with pytest.raises(error, match=words):
+        factor_grad(left, right)
