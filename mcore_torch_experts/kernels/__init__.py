@@ -9,6 +9,8 @@
 - `fused_experts_triton.py`: grouped GEMMs with the activation (and LoRA adapters) in their
   epilogues; `fused_experts.py`: the autograd Functions around them and the adapters' term.
 - `combine_triton.py`: the deterministic FP32 top-k combine kernel.
+- `factor_grad_triton.py`: a shared LoRA factor's weight gradient in fixed chunks of rows;
+  `factor_linear.py`: the products that take it while Megatron's batch-invariant kernels are on.
 
 The Triton modules import triton at module level; `choice.py` and `grouped_gemm.py` do not;
 this file imports neither triton nor Megatron-Core (the FP32 combine runs without them).

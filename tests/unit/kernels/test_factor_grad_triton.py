@@ -81,3 +81,26 @@ def test_bad_operands_are_refused_naming_what_to_give(left, right, error, words)
 
     with pytest.raises(error, match=words):
         factor_grad(left, right)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_on_the_gpu_against_fp64_and_with_rows_appended(dtype):
+    """The compiled kernel at adapter shapes (rank 16 by 2048 and 1536 by 16, 65,536 routed rows):
+    FP64's value within FP32 sums' error, run to run bitwise, and the first rows' sums bitwise
+    with zero rows appended (the others' gradient zero)."""
+    from mcore_torch_experts.kernels.factor_grad_triton import factor_grad
+
+    torch.manual_seed(3)
+    for p, q, rows in ((16, 2048, 65536), (1536, 16, 65536), (16, 96, 5000)):
+        left = torch.randn(rows, p, device="cuda").to(dtype)
+        right = torch.randn(rows, q, device="cuda").to(dtype)
+        got = factor_grad(left, right)
+        want = left.double().t() @ right.double()
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), (p, q, rows)
+        assert torch.equal(factor_grad(left, right), got)
+        head = rows // 3
+        zeros = torch.zeros(rows - head, p, device="cuda", dtype=dtype)
+        assert torch.equal(factor_grad(torch.cat([left[:head], zeros]), right),
+                           factor_grad(left[:head], right[:head]))
