@@ -9,6 +9,8 @@ program per (output tile, chunk) sums its chunk's rows in row order in FP32, the
 block of outputs adds the chunks' sums in chunk order. The order of every sum depends on the rows'
 positions alone, never on T, so a row's contribution is summed the same way whatever follows it
 (batch-invariant in the sense of Megatron's fixed K loop), and the result is the same run to run.
+The FP32 partial sums live in a buffer of at most PARTIAL_BYTES: past that the chunks go in waves,
+each added onto the result in chunk order, the same sums as in one wave.
 
 CUDA tensors run the kernels, and CPU tensors too with TRITON_INTERPRET=1 set before triton is
 imported; other CPU tensors take the same chunks' sums as torch ops (`chunked_sums`).
@@ -23,15 +25,17 @@ from . import TRITON_INTERPRETER
 CHUNK_ROWS = 2048   # rows per partial sum: fixed, so the sums never depend on T
 BLOCK_ROWS = 64     # rows per K step inside a chunk
 BLOCK_SUM = 1024    # outputs per program of the chunk sum
+PARTIAL_BYTES = 64 * 2**20  # the partial sums' buffer at most (a wave of chunks)
 
 
 @triton.jit
-def _chunk_partial_kernel(left_ptr, right_ptr, part_ptr, rows, p, q,
+def _chunk_partial_kernel(left_ptr, right_ptr, part_ptr, first_chunk, rows, p, q,
                           stride_lt, stride_lp, stride_rt, stride_rq,
                           CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
                           BLOCK_Q: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
     tile = tl.program_id(0)
-    chunk = tl.program_id(1)
+    slot = tl.program_id(1)
+    chunk = first_chunk + slot
     tiles_q = tl.cdiv(q, BLOCK_Q)
     ps = (tile // tiles_q) * BLOCK_P + tl.arange(0, BLOCK_P)
     qs = (tile % tiles_q) * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -51,7 +55,7 @@ def _chunk_partial_kernel(left_ptr, right_ptr, part_ptr, rows, p, q,
             acc = tl.dot(tl.trans(lt), rt, acc, input_precision="ieee")
         else:
             acc = tl.dot(tl.trans(lt), rt, acc)
-    out = part_ptr + chunk.to(tl.int64) * p * q + ps[:, None] * q + qs[None, :]
+    out = part_ptr + slot.to(tl.int64) * p * q + ps[:, None] * q + qs[None, :]
     tl.store(out, acc, mask=p_ok[:, None] & q_ok[None, :])
 
 
@@ -59,7 +63,7 @@ def _chunk_partial_kernel(left_ptr, right_ptr, part_ptr, rows, p, q,
 def _chunk_sum_kernel(part_ptr, out_ptr, chunks, size, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < size
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    acc = tl.load(out_ptr + i, mask=ok, other=0.0)
     for c in range(0, chunks):
         acc += tl.load(part_ptr + c * size + i, mask=ok, other=0.0)
     tl.store(out_ptr + i, acc, mask=ok)
@@ -88,13 +92,18 @@ def factor_grad(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     if chunks == 0 or p == 0 or q == 0:
         return out
     block_p, block_q = _block(p), _block(q)
-    part = torch.empty(chunks, p, q, dtype=torch.float32, device=left.device)
+    wave = max(1, min(chunks, PARTIAL_BYTES // (4 * p * q)))
+    part = torch.empty(wave, p, q, dtype=torch.float32, device=left.device)
     tiles = triton.cdiv(p, block_p) * triton.cdiv(q, block_q)
-    _chunk_partial_kernel[(tiles, chunks)](
-        left, right, part, rows, p, q, left.stride(0), left.stride(1), right.stride(0),
-        right.stride(1), CHUNK=CHUNK_ROWS, BLOCK_T=BLOCK_ROWS, BLOCK_P=block_p, BLOCK_Q=block_q,
-        DOT_FP32=TRITON_INTERPRETER, IEEE=left.dtype == torch.float32, num_warps=4)
-    _chunk_sum_kernel[(triton.cdiv(p * q, BLOCK_SUM),)](part, out, chunks, p * q, BLOCK=BLOCK_SUM)
+    for first in range(0, chunks, wave):
+        count = min(wave, chunks - first)
+        _chunk_partial_kernel[(tiles, count)](
+            left, right, part, first, rows, p, q, left.stride(0), left.stride(1),
+            right.stride(0), right.stride(1), CHUNK=CHUNK_ROWS, BLOCK_T=BLOCK_ROWS,
+            BLOCK_P=block_p, BLOCK_Q=block_q, DOT_FP32=TRITON_INTERPRETER,
+            IEEE=left.dtype == torch.float32, num_warps=4)
+        _chunk_sum_kernel[(triton.cdiv(p * q, BLOCK_SUM),)](part, out, count, p * q,
+                                                           BLOCK=BLOCK_SUM)
     return out
 
 

@@ -56,6 +56,22 @@ def test_rows_after_the_others_change_no_bit_of_their_sums():
     assert torch.equal(strided, alone)
 
 
+@pytest.mark.triton_interpreter
+def test_a_bounded_partial_buffer_gives_the_same_bits(monkeypatch):
+    """Past PARTIAL_BYTES the chunks go in waves, each added onto the result in chunk order: the
+    same sums as one wave."""
+    pytest.importorskip("triton", reason="triton is not installed: the kernel is untested")
+    from mcore_torch_experts.kernels import factor_grad_triton as fg
+
+    torch.manual_seed(4)
+    left = torch.randn(3 * fg.CHUNK_ROWS + 11, 16).bfloat16()
+    right = torch.randn(3 * fg.CHUNK_ROWS + 11, 24).bfloat16()
+    whole = fg.factor_grad(left, right)
+    for waves_of in (1, 2):
+        monkeypatch.setattr(fg, "PARTIAL_BYTES", waves_of * 4 * 16 * 24)
+        assert torch.equal(fg.factor_grad(left, right), whole), waves_of
+
+
 def test_the_cpu_path_sums_the_same_chunks_in_fp32():
     from mcore_torch_experts.kernels.factor_grad_triton import CHUNK_ROWS, chunked_sums
 
