@@ -75,14 +75,15 @@ def _block(width: int) -> int:
 
 
 def factor_grad(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    """left [T, p], right [T, q] (same dtype, bf16 or fp32) -> left.T @ right [p, q] float32,
+    """left [T, p], right [T, q] (same dtype: bf16, fp16 or fp32) -> left.T @ right [p, q] float32,
     summed in chunks of CHUNK_ROWS rows (module doc)."""
     if left.dim() != 2 or right.dim() != 2 or left.shape[0] != right.shape[0]:
         raise ValueError(f"factor_grad: left {list(left.shape)} and right {list(right.shape)} "
                          "must be [T, p] and [T, q] with the same T")
-    if left.dtype != right.dtype or left.dtype not in (torch.bfloat16, torch.float32):
+    if left.dtype != right.dtype or left.dtype not in (torch.bfloat16, torch.float16,
+                                                       torch.float32):
         raise TypeError(f"factor_grad: left {left.dtype}, right {right.dtype}; give both in "
-                        "torch.bfloat16 or torch.float32")
+                        "torch.bfloat16, torch.float16 or torch.float32")
     if left.device.type != "cuda" and not TRITON_INTERPRETER:
         return chunked_sums(left, right)
     rows, p = left.shape
